@@ -1,0 +1,33 @@
+"""The one place that knows which Keras backend is running.
+
+Each backend module (`jax`, `tensorflow`, `torch`) implements the same small
+interface; the rest of the package calls it through `get()` and never imports
+a backend itself:
+
+- `configure_virtual_devices(n)`, `list_devices()`, `num_local_devices(mesh)`
+- `fetch_layout(x) -> (axes, mesh_or_None)`: the sharding a value really has
+- `distribute(x, layout)`, `pack(components, layout)`, `unpack(x)`
+- `relayout_variable(variable, layout)`: move an existing variable onto a layout
+- `install()`: backend-specific hooks into Keras (e.g. the data iterator)
+- `SHARDING`: whether this backend can place tensors on a multi-device mesh
+"""
+
+import importlib
+
+import keras
+
+
+def name():
+    """The Keras backend in use: `"jax"`, `"tensorflow"` or `"torch"`."""
+    return keras.backend.backend()
+
+
+def get():
+    """The backend module for the running Keras backend."""
+    backend = name()
+    if backend not in ("jax", "tensorflow", "torch"):
+        raise RuntimeError(
+            f"keras-layoutmap supports the jax, tensorflow and torch Keras "
+            f"backends. Received: KERAS_BACKEND={backend!r}."
+        )
+    return importlib.import_module(f"keras_layoutmap.backends.{backend}")

@@ -1,0 +1,149 @@
+"""The JAX backend: `keras.distribution` on `jax.sharding` does the work."""
+
+import jax
+import numpy as np
+from keras.src.backend.jax import trainer as keras_jax_trainer
+
+SHARDING = True
+
+
+def configure_virtual_devices(n):
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # JAX already initialised its devices; fine if it has what we need.
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise RuntimeError(
+                f"configure_virtual_devices({n}) must run before JAX starts "
+                f"its CPU backend; it already has {have} CPU device(s). Call "
+                "it right after `import keras_layoutmap`, or set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={n}."
+            ) from None
+
+
+def list_devices():
+    return [f"{d.platform}:{d.id}" for d in jax.devices()]
+
+
+def num_local_devices(mesh):
+    local = {f"{d.platform}:{d.id}" for d in jax.local_devices()}
+    return sum(str(d) in local for d in np.ravel(mesh.devices))
+
+
+def _sharding(layout):
+    return layout.backend_layout
+
+
+def _device_name(device):
+    return f"{device.platform}:{device.id}"
+
+
+def _array(x):
+    value = getattr(x, "value", x)  # keras.Variable -> jax.Array
+    if not isinstance(value, jax.Array):
+        raise TypeError(
+            f"Expected a jax.Array or keras.Variable placed on devices. "
+            f"Received: {type(x).__name__}"
+        )
+    return value
+
+
+def fetch_layout(x):
+    from keras_layoutmap.mesh import Mesh
+
+    array = _array(x)
+    sharding = array.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        jmesh = sharding.mesh
+        mesh = Mesh(
+            jmesh.devices.shape,
+            jmesh.axis_names,
+            [_device_name(d) for d in np.ravel(jmesh.devices)],
+        )
+        spec = list(sharding.spec) + [None] * (array.ndim - len(sharding.spec))
+        axes = []
+        for entry in spec:
+            if isinstance(entry, (tuple, list)):
+                if len(entry) > 1:
+                    raise ValueError(
+                        f"Dimension sharded over several mesh axes {entry} "
+                        "cannot be expressed as a klm.Layout."
+                    )
+                entry = entry[0] if entry else None
+            axes.append(entry)
+        return axes, mesh
+    if len(sharding.device_set) == 1:
+        (device,) = sharding.device_set
+        return [None] * array.ndim, Mesh((1,), ["device"], [_device_name(device)])
+    raise ValueError(
+        f"Cannot express the sharding {sharding} as a klm.Layout."
+    )
+
+
+def distribute(x, layout):
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, _sharding(layout))
+    return jax.device_put(np.asarray(x), _sharding(layout))
+
+
+def pack(components, layout):
+    sharding = _sharding(layout)
+    local = set(jax.local_devices())
+    devices = [d for d in np.ravel(sharding.mesh.devices) if d in local]
+    shape = list(np.shape(components[0]))
+    for dim, axis in enumerate(layout.axes):
+        if axis is not None:
+            shape[dim] *= layout.mesh.dim_size(axis)
+    arrays = [
+        jax.device_put(np.asarray(c) if not isinstance(c, jax.Array) else c, d)
+        for c, d in zip(components, devices)
+    ]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+def unpack(x):
+    array = _array(x)
+    order = {d: i for i, d in enumerate(_mesh_devices(array))}
+    shards = sorted(array.addressable_shards, key=lambda s: order[s.device])
+    return [s.data for s in shards]
+
+
+def _mesh_devices(array):
+    sharding = array.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return list(np.ravel(sharding.mesh.devices))
+    return sorted(sharding.device_set, key=lambda d: d.id)
+
+
+def relayout_variable(variable, layout):
+    variable._layout = layout
+    variable._direct_assign(variable.value)
+
+
+def _distributed_iterator(self, distribution):
+    """Keras computes the data layouts from the first batch and reuses them;
+    the last, short batch then fails with `IndivisibleError`. Ask the
+    distribution for every new batch shape instead (cached)."""
+    from keras.src import tree
+
+    cache = {}
+
+    def layout_for(d):
+        if d is None:
+            return None
+        key = tuple(d.shape)
+        if key not in cache:
+            cache[key] = distribution.get_data_layout(d.shape).backend_layout
+        return cache[key]
+
+    for data in self.data_adapter.get_jax_iterator():
+        yield keras_jax_trainer._distribute_data(
+            data, tree.map_structure(layout_for, data)
+        )
+
+
+def install():
+    keras_jax_trainer.JAXEpochIterator._get_distributed_iterator = (
+        _distributed_iterator
+    )

@@ -1,0 +1,38 @@
+"""The PyTorch backend. A torch mesh spans processes (gloo); placement of
+tensors and variables on it is not built yet."""
+
+import os
+
+from keras_layoutmap.backends._unsupported import not_built
+
+SHARDING = False
+
+_unbuilt = not_built("torch", "torch DTensor backend, not yet filed")
+fetch_layout = distribute = pack = unpack = relayout_variable = _unbuilt
+
+
+def _world_size():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def configure_virtual_devices(n):
+    world = _world_size()
+    if n != 1 and world != n:
+        raise RuntimeError(
+            f"On the torch backend a mesh of {n} devices spans {n} processes, "
+            f"but this process runs in a world of {world}. Start the script "
+            f"with `python -m keras_layoutmap.launch -n {n} script.py` (or "
+            f"`torchrun --nproc-per-node {n} script.py`)."
+        )
+
+
+def list_devices():
+    return [f"cpu:{i}" for i in range(_world_size())]
+
+
+def num_local_devices(mesh):
+    return 1 if _world_size() > 1 else mesh.size
+
+
+def install():
+    pass

@@ -1,0 +1,195 @@
+"""`DataParallel` and `ModelParallel`: Keras 3 distributions that apply a
+`LayoutMap` by object path, honour layer `<weight>_layout=` kwargs and handle
+a final short batch."""
+
+import contextlib
+import contextvars
+
+from keras import distribution as keras_distribution
+
+from keras_layoutmap import paths
+from keras_layoutmap.layout import Layout, as_layout, check_fits
+from keras_layoutmap.layout_map import LayoutMap
+from keras_layoutmap.mesh import as_mesh
+
+# The layer (and weight name) whose `add_weight` is running: the one piece
+# of context that lets a distribution name a weight by its object path.
+_CREATING = contextvars.ContextVar("klm_creating_weight", default=None)
+
+
+@contextlib.contextmanager
+def creating_weight(layer, name):
+    token = _CREATING.set((layer, name))
+    try:
+        yield
+    finally:
+        _CREATING.reset(token)
+
+
+def distribution():
+    """The current distribution (`keras.distribution.distribution()`)."""
+    return keras_distribution.distribution()
+
+
+def set_distribution(value):
+    """Make `value` the global distribution (None to clear it)."""
+    keras_distribution.set_distribution(value)
+
+
+def _kwarg_layout(layer, name):
+    """The `<name>_layout=` given to `layer` or the nearest ancestor."""
+    from keras_layoutmap.layer_kwargs import weight_layouts
+
+    node, seen = layer, set()
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        layouts = weight_layouts(node)
+        if name in layouts:
+            return f"{node.name}.{name}_layout", layouts[name]
+        node, _ = paths._parent_of(node)
+    return None, None
+
+
+def weight_keys(variable):
+    """`(object_path, variable.path)` of a weight being created."""
+    creating = _CREATING.get()
+    if creating is None:
+        return None, variable.path
+    layer, _ = creating
+    return paths.object_path(layer, variable.name), variable.path
+
+
+class _Resolving:
+    """What `klm` distributions share: layouts from kwargs, then rules, then
+    replicated; and a data layout that survives a short final batch."""
+
+    layout_map = None
+
+    def resolve_variable(self, variable):
+        """`(source, layout)` for a variable about to be created."""
+        object_path, path = weight_keys(variable)
+        shape = tuple(variable.shape)
+        creating = _CREATING.get()
+        if creating is not None:
+            source, layout = _kwarg_layout(creating[0], variable.name)
+            if layout is not None:
+                layout = as_layout(layout, self.device_mesh, where=source)
+                check_fits(layout, shape, object_path or path, source)
+                return source, layout
+        if self.layout_map is not None:
+            rule, layout = self.layout_map.resolve(shape, object_path, path)
+            if layout is not None:
+                return rule, layout
+        return None, Layout.replicated(self.device_mesh, len(shape))
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        source, layout = self.resolve_variable(variable)
+        variable._klm_rule = source
+        return layout
+
+    def get_data_layout(self, data_shape):
+        """Shard dimension 0 over the batch axis; a batch the axis does not
+        divide (the short last batch) is replicated instead, so it trains on
+        every device exactly as on one."""
+        specs = [None] * len(data_shape)
+        if data_shape:
+            n = self.device_mesh.dim_size(self.batch_dim_name)
+            if data_shape[0] is None or int(data_shape[0]) % n == 0:
+                specs[0] = self.batch_dim_name
+        return Layout(specs, self.device_mesh)
+
+
+class DataParallel(_Resolving, keras_distribution.DataParallel):
+    """Replicate every weight, split every batch over the mesh's batch axis.
+
+    Layer `<weight>_layout=` kwargs still apply. A final batch that the batch
+    axis does not divide is computed whole on every device (no crash, nothing
+    dropped or counted twice).
+
+    Example:
+
+    >>> import keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("batch", 1)])
+    >>> klm.DataParallel(mesh).batch_dim_name
+    'batch'
+    """
+
+    def __init__(self, device_mesh=None, devices=None, auto_shard_dataset=True):
+        if device_mesh is not None:
+            device_mesh = as_mesh(device_mesh)
+        super().__init__(
+            device_mesh=device_mesh,
+            devices=devices,
+            auto_shard_dataset=auto_shard_dataset,
+        )
+        self._device_mesh = as_mesh(self._device_mesh)
+
+
+class ModelParallel(_Resolving, keras_distribution.ModelParallel):
+    """Shard weights by a `klm.LayoutMap`, split batches over `batch_dim_name`.
+
+    Rules match a weight's object path or its `variable.path`; the first rule
+    in insertion order wins. Equivalent to `with layout_map.scope():`.
+
+    Example:
+
+    >>> import keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)])
+    >>> layout_map = klm.LayoutMap(mesh)
+    >>> layout_map[".*kernel"] = (None, "model")
+    >>> klm.ModelParallel(layout_map=layout_map).batch_dim_name
+    'batch'
+    """
+
+    def __init__(self, *, layout_map=None, batch_dim_name=None,
+                 auto_shard_dataset=True, **kwargs):
+        if layout_map is not None and not isinstance(layout_map, LayoutMap):
+            if isinstance(layout_map, keras_distribution.LayoutMap):
+                layout_map = LayoutMap.from_keras(layout_map)
+            else:
+                raise TypeError(
+                    "`layout_map` must be a `klm.LayoutMap`. Received: "
+                    f"{layout_map!r} of type {type(layout_map).__name__}"
+                )
+        if layout_map is not None and layout_map.device_mesh is None:
+            raise ValueError("The LayoutMap has no mesh; pass `mesh=` to it.")
+        mesh = layout_map.device_mesh if layout_map is not None else None
+        if batch_dim_name is None and mesh is not None:
+            names = list(mesh.axis_names)
+            batch_dim_name = "batch" if "batch" in names else names[0]
+        if mesh is not None and batch_dim_name not in mesh.axis_names:
+            raise ValueError(
+                f"batch_dim_name {batch_dim_name!r} is not an axis of "
+                f"{mesh!r}."
+            )
+        super().__init__(
+            layout_map=layout_map,
+            batch_dim_name=batch_dim_name,
+            auto_shard_dataset=auto_shard_dataset,
+            **kwargs,
+        )
+        self.layout_map = layout_map
+
+    def get_tensor_layout(self, path):
+        return self.layout_map.match(path)[1]
+
+
+def replicated_on(mesh):
+    """A `DataParallel` on `mesh`: what `mesh=` arguments create state with."""
+    mesh = as_mesh(mesh)
+    names = list(mesh.axis_names)
+    dist = DataParallel(device_mesh=mesh)
+    dist._batch_dim_name = "batch" if "batch" in names else names[0]
+    return dist
+
+
+@contextlib.contextmanager
+def mesh_scope(mesh):
+    """Run under a replicated distribution on `mesh`, unless one is active."""
+    if mesh is None or distribution() is not None:
+        yield
+        return
+    with replicated_on(mesh).scope():
+        yield

@@ -1,0 +1,103 @@
+"""`LayoutMap.explain(model)`: which rule places each weight, and the cost."""
+
+import dataclasses
+import io
+
+from keras_layoutmap import paths
+from keras_layoutmap.layout import layout_bytes_per_device
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRow:
+    path: str
+    object_path: str
+    shape: tuple
+    dtype: str
+    rule: object  # the key that matched, or None
+    layout: object
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    rows: list
+    unused_rules: list  # rules that match no weight
+    shadowed_rules: list  # rules that match only weights an earlier rule won
+
+    @property
+    def bytes_per_device(self):
+        return sum(r.bytes_per_device for r in self.rows)
+
+    def __str__(self):
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="LayoutMap.explain", show_lines=False)
+        for col in ("object path", "variable path", "shape", "rule",
+                    "layout", "bytes/device"):
+            table.add_column(col, justify="right" if col == "bytes/device"
+                             else "left")
+        for r in self.rows:
+            table.add_row(
+                r.object_path, r.path, str(r.shape),
+                "-" if r.rule is None else str(r.rule),
+                str(r.layout.sharding_specs), f"{r.bytes_per_device:,}",
+            )
+        out = io.StringIO()
+        console = Console(file=out, width=160, color_system=None)
+        console.print(table)
+        console.print(f"total bytes per device: {self.bytes_per_device:,}")
+        if self.unused_rules:
+            console.print(f"rules matching no weight: {self.unused_rules}")
+        if self.shadowed_rules:
+            console.print(
+                f"rules shadowed by earlier rules: {self.shadowed_rules}"
+            )
+        return out.getvalue()
+
+
+def explain(model, layout_map):
+    """Resolve every weight of `model` against `layout_map`."""
+    from keras_layoutmap.distribution import _kwarg_layout
+    from keras_layoutmap.layout import as_layout, check_fits
+
+    owners = paths.object_paths(model, with_owner=True)
+    rows, won, matched = [], set(), set()
+    for variable in model.weights:
+        object_path, owner = owners.get(id(variable), (variable.path, None))
+        shape = tuple(int(d) for d in variable.shape)
+        rule, layout = (None, None)
+        if owner is not None:
+            rule, layout = _kwarg_layout(owner, variable.name)
+        if layout is not None:
+            layout = as_layout(layout, layout_map.device_mesh, where=rule)
+            check_fits(layout, shape, object_path, rule)
+        else:
+            rule, layout = layout_map.resolve(shape, object_path, variable.path)
+        won.add(rule)
+        for key in layout_map:
+            if _matches(key, object_path, variable.path):
+                matched.add(key)
+        rows.append(
+            WeightRow(
+                path=variable.path,
+                object_path=object_path,
+                shape=shape,
+                dtype=str(variable.dtype),
+                rule=rule,
+                layout=layout,
+                bytes_per_device=layout_bytes_per_device(
+                    layout, shape, variable.dtype
+                ),
+            )
+        )
+    keys = list(layout_map)
+    unused = [k for k in keys if k not in matched]
+    shadowed = [k for k in keys if k in matched and k not in won]
+    return Report(rows=rows, unused_rules=unused, shadowed_rules=shadowed)
+
+
+def _matches(key, *names):
+    import re
+
+    return any(n == key or re.fullmatch(key, n) for n in names if n)

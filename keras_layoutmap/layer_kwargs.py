@@ -1,0 +1,131 @@
+"""`<weight>_layout=` keyword arguments for every Keras layer.
+
+After `import keras_layoutmap`, any layer accepts a `<name>_layout=` kwarg for
+each weight `<name>` it (or a sublayer) creates, e.g.
+`Dense(kernel_layout=..., bias_layout=...)`,
+`Embedding(embeddings_layout=...)`, `BatchNormalization(gamma_layout=...,
+moving_mean_layout=...)`. Which names are valid is derived from the layer
+itself: after the layer builds, a kwarg that named no weight it created is an
+error that lists the weights it did create. The kwargs survive
+`get_config()` / `from_config()` and `model.save()` / `load_model()`.
+
+Installing also teaches every layer two things a distribution needs: the
+layer (and weight name) being created, for object paths, and the
+distribution the layer was made under, so weights built later, outside the
+scope, still get their layouts.
+"""
+
+import functools
+
+from keras import distribution as keras_distribution
+from keras import layers as keras_layers
+
+from keras_layoutmap import paths
+from keras_layoutmap.distribution import creating_weight, replicated_on
+from keras_layoutmap.layout import as_layout
+
+_SUFFIX = "_layout"
+
+
+def weight_layouts(layer):
+    """`{weight_name: layout}` from the layer's `<weight>_layout=` kwargs."""
+    return layer.__dict__.get("_klm_weight_layouts", {})
+
+
+def remembered_distribution(layer):
+    """The distribution `layer` was made under (or its layouts imply)."""
+    return layer.__dict__.get("_klm_distribution")
+
+
+def _set(layer, name, value):
+    object.__setattr__(layer, name, value)
+
+
+def _pop_layout_kwargs(kwargs):
+    layouts = {}
+    for key in [k for k in kwargs if k.endswith(_SUFFIX)]:
+        value = kwargs.pop(key)
+        if value is None:
+            continue
+        layouts[key[: -len(_SUFFIX)]] = as_layout(value, where=f"`{key}`")
+    return layouts
+
+
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        layouts = _pop_layout_kwargs(kwargs)
+        original(self, *args, **kwargs)
+        paths.register(self)
+        _set(self, "_klm_weight_layouts", layouts)
+        current = keras_distribution.distribution()
+        if current is None:
+            meshes = [lay.mesh for lay in layouts.values() if lay.mesh]
+            current = replicated_on(meshes[0]) if meshes else None
+        _set(self, "_klm_distribution", current)
+
+    return __init__
+
+
+def _wrap_get_config(original):
+    @functools.wraps(original)
+    def get_config(self):
+        config = original(self)
+        for name, layout in weight_layouts(self).items():
+            config[f"{name}{_SUFFIX}"] = layout.get_config()
+        return config
+
+    return get_config
+
+
+def _wrap_add_weight(original):
+    @functools.wraps(original)
+    def add_weight(self, *args, **kwargs):
+        name = kwargs.get("name")
+        scope = None
+        if keras_distribution.distribution() is None:
+            scope = remembered_distribution(self)
+        with creating_weight(self, name):
+            if scope is None:
+                return original(self, *args, **kwargs)
+            with scope.scope():
+                return original(self, *args, **kwargs)
+
+    return add_weight
+
+
+def _wrap_post_build(original):
+    @functools.wraps(original)
+    def _post_build(self):
+        original(self)
+        wanted = weight_layouts(self)
+        if not wanted:
+            return
+        created = {v.name for v in self.weights}
+        unknown = sorted(set(wanted) - created)
+        if unknown:
+            raise ValueError(
+                f"Layer {self.name!r} ({type(self).__name__}) received "
+                f"{', '.join(f'`{n}{_SUFFIX}`' for n in unknown)}, but it "
+                f"created no weight named {', '.join(map(repr, unknown))}. "
+                f"Its weights are {sorted(created)}; use "
+                f"{', '.join(f'`{n}{_SUFFIX}`' for n in sorted(created))}."
+            )
+
+    return _post_build
+
+
+_INSTALLED = False
+
+
+def install():
+    """Patch `keras.layers.Layer` once (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    Layer = keras_layers.Layer
+    Layer.__init__ = _wrap_init(Layer.__init__)
+    Layer.get_config = _wrap_get_config(Layer.get_config)
+    Layer.add_weight = _wrap_add_weight(Layer.add_weight)
+    Layer._post_build = _wrap_post_build(Layer._post_build)
+    _INSTALLED = True

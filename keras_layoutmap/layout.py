@@ -1,0 +1,209 @@
+"""Tensor layouts: `Layout`, `UNSHARDED` and layout validation."""
+
+import math
+
+import numpy as np
+from keras import distribution as keras_distribution
+
+from keras_layoutmap.mesh import as_mesh
+
+UNSHARDED = "unsharded"
+
+
+def _normalize_spec(spec, where):
+    if spec is None or spec == UNSHARDED:
+        return None
+    if isinstance(spec, str):
+        return spec
+    raise TypeError(
+        f"{where}: each sharding spec must be a mesh axis name, "
+        f"`klm.UNSHARDED` or None. Received: {spec!r} of type "
+        f"{type(spec).__name__}"
+    )
+
+
+def check_axes(axes, mesh, where="Layout"):
+    """Raise if `axes` names an axis twice or one `mesh` does not have."""
+    named = [a for a in axes if a is not None]
+    for axis in named:
+        if named.count(axis) > 1:
+            raise ValueError(
+                f"{where}: mesh axis {axis!r} is used for more than one "
+                f"dimension in {list(axes)}; a mesh axis may shard one "
+                "dimension only."
+            )
+    if mesh is not None:
+        missing = [a for a in named if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"{where}: axis {missing[0]!r} is not in the mesh. The mesh "
+                f"axes are {dict(zip(mesh.axis_names, mesh.shape))}; "
+                f"received sharding specs {list(axes)}."
+            )
+
+
+class Layout(keras_distribution.TensorLayout):
+    """How a tensor is split over a mesh; a `keras.distribution.TensorLayout`.
+
+    `sharding_specs` has one entry per tensor dimension: the mesh axis that
+    splits it, or `klm.UNSHARDED` / `None` to keep it whole on every device.
+
+    Example:
+
+    >>> import keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("batch", 1)])
+    >>> klm.Layout(["batch", klm.UNSHARDED], mesh).sharding_specs
+    ['batch', 'unsharded']
+    >>> klm.Layout.replicated(mesh, rank=2) == klm.Layout([None, None], mesh)
+    True
+    """
+
+    def __init__(self, sharding_specs, mesh=None):
+        if isinstance(sharding_specs, str):
+            raise TypeError(
+                "`sharding_specs` must be a list with one entry per "
+                f"dimension, not a string. Received: {sharding_specs!r}"
+            )
+        axes = tuple(
+            _normalize_spec(s, "Layout") for s in list(sharding_specs)
+        )
+        mesh = as_mesh(mesh)
+        check_axes(axes, mesh)
+        super().__init__(axes, mesh)
+
+    # TensorLayout calls this whenever the mesh is set.
+    def _validate_axes(self):
+        check_axes(self.axes, self.device_mesh)
+
+    @classmethod
+    def replicated(cls, mesh, rank):
+        """A layout that keeps all `rank` dimensions whole on every device."""
+        return cls([UNSHARDED] * rank, mesh)
+
+    @classmethod
+    def batch_sharded(cls, mesh, batch_dim, rank, axis=0):
+        """A layout that splits dimension `axis` over mesh axis `batch_dim`."""
+        specs = [UNSHARDED] * rank
+        specs[axis] = batch_dim
+        return cls(specs, mesh)
+
+    @classmethod
+    def inner_sharded(cls, mesh, dim, rank):
+        """A layout that splits the last dimension over mesh axis `dim`."""
+        return cls.batch_sharded(mesh, dim, rank, axis=rank - 1)
+
+    @classmethod
+    def from_keras(cls, layout, mesh=None):
+        """A `Layout` from a `keras.distribution.TensorLayout`."""
+        if isinstance(layout, cls) and (mesh is None or layout.mesh == mesh):
+            return layout
+        return cls(layout.axes, layout.device_mesh or mesh)
+
+    @property
+    def sharding_specs(self):
+        """One entry per dimension: a mesh axis name or `UNSHARDED`."""
+        return [UNSHARDED if a is None else a for a in self.axes]
+
+    @property
+    def rank(self):
+        return len(self.axes)
+
+    @property
+    def mesh(self):
+        return self.device_mesh
+
+    def is_fully_replicated(self):
+        return all(a is None for a in self.axes)
+
+    def delete(self, dims):
+        """A layout with dimensions `dims` (indices) removed."""
+        dims = {d % self.rank for d in dims}
+        return Layout([a for i, a in enumerate(self.axes) if i not in dims],
+                      self.mesh)
+
+    def num_shards(self, dim):
+        """How many pieces dimension `dim` is split into."""
+        axis = self.axes[dim]
+        return 1 if axis is None else self.mesh.dim_size(axis)
+
+    def shard_shape(self, shape):
+        """The per-device shape of a tensor of `shape` (ceil division)."""
+        return tuple(
+            math.ceil(int(n) / self.num_shards(i)) for i, n in enumerate(shape)
+        )
+
+    def get_config(self):
+        config = {"sharding_specs": self.sharding_specs}
+        if self.mesh is not None:
+            config["mesh"] = self.mesh.get_config()
+        return config
+
+    @classmethod
+    def from_config(cls, config, mesh=None):
+        from keras_layoutmap.mesh import Mesh
+
+        if mesh is None and config.get("mesh") is not None:
+            mesh = Mesh.from_config(config["mesh"])
+        return cls(config["sharding_specs"], mesh)
+
+    def __eq__(self, other):
+        if not isinstance(other, keras_distribution.TensorLayout):
+            return NotImplemented
+        return tuple(self.axes) == tuple(other.axes) and (
+            self.device_mesh == other.device_mesh
+        )
+
+    def __hash__(self):
+        return hash((tuple(self.axes), self.device_mesh))
+
+    def __repr__(self):
+        return f"Layout({self.sharding_specs}, {self.mesh!r})"
+
+
+def as_layout(value, mesh=None, where="Layout"):
+    """Turn a `Layout`, a `TensorLayout` or a tuple of axis names into a
+    `Layout`; raise `TypeError` for anything else."""
+    if isinstance(value, keras_distribution.TensorLayout):
+        return Layout.from_keras(value, mesh)
+    if isinstance(value, (tuple, list)):
+        return Layout(value, mesh)
+    if isinstance(value, dict) and "sharding_specs" in value:
+        return Layout.from_config(value, mesh)
+    raise TypeError(
+        f"{where}: expected a `klm.Layout`, a `keras.distribution."
+        "TensorLayout` or a tuple of mesh axis names. Received: "
+        f"{value!r} of type {type(value).__name__}"
+    )
+
+
+def check_fits(layout, shape, path, rule):
+    """Raise `ValueError` unless `layout` can hold a tensor of `shape`.
+
+    The message names the weight `path`, the `rule` that chose the layout, the
+    axis and the sizes involved.
+    """
+    shape = tuple(int(d) for d in shape)
+    source = f"rule {rule!r}" if rule is not None else "its layout"
+    if layout.rank != len(shape):
+        raise ValueError(
+            f"Weight {path!r} has shape {shape} (rank {len(shape)}), but "
+            f"{source} gives a layout of rank {layout.rank}: "
+            f"{layout.sharding_specs}."
+        )
+    for dim, (axis, size) in enumerate(zip(layout.axes, shape)):
+        if axis is None:
+            continue
+        n = layout.mesh.dim_size(axis)
+        if size % n:
+            raise ValueError(
+                f"Weight {path!r} has shape {shape}; {source} shards "
+                f"dimension {dim} (size {size}) over mesh axis {axis!r} "
+                f"(size {n}), and {n} does not divide {size}."
+            )
+
+
+def layout_bytes_per_device(layout, shape, dtype):
+    """Bytes one device holds for a tensor of `shape` under `layout`."""
+    itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+    shard = layout.shard_shape(shape) if layout is not None else shape
+    return int(math.prod(shard)) * itemsize

@@ -1,0 +1,299 @@
+"""`LayoutMap`: ordered regex rules from weight paths to layouts."""
+
+import contextlib
+import json
+import re
+
+from keras import distribution as keras_distribution
+
+from keras_layoutmap.layout import Layout, as_layout, check_fits
+from keras_layoutmap.mesh import Mesh, as_mesh
+
+
+class _Matcher:
+    """First-rule-wins matching of many regexes against a key.
+
+    All rules are joined into one alternation of named groups, so a key is
+    scanned once rather than once per rule: for `fullmatch`, Python's regex
+    engine tries the branches in order, so the branch that matches is the
+    first rule, in insertion order, that matches the whole key. Rules that
+    cannot be joined (numbered back-references, clashing group names) fall
+    back to one `fullmatch` per rule.
+    """
+
+    def __init__(self, rules):
+        self.rules = list(rules)
+        self.combined = None
+        joinable = not any(re.search(r"\\\d|\(\?P=", r) for r in self.rules)
+        if self.rules and joinable:
+            try:
+                self.combined = re.compile(
+                    "|".join(
+                        f"(?P<_klm{i}>{rule})" for i, rule in enumerate(self.rules)
+                    )
+                )
+            except re.error:
+                self.combined = None
+        self.compiled = [re.compile(r) for r in self.rules]
+
+    def first(self, key):
+        """Index of the first rule that fullmatches `key`, or None."""
+        if self.combined is not None:
+            m = self.combined.fullmatch(key)
+            return None if m is None else int(m.lastgroup[4:])
+        for i, pattern in enumerate(self.compiled):
+            if pattern.fullmatch(key):
+                return i
+        return None
+
+
+class LayoutMap(keras_distribution.LayoutMap):
+    """Ordered rules mapping weight paths (regexes) to layouts.
+
+    A weight is looked up by its TF-Keras *object path* (`"feature.kernel"`,
+    `"d1.kernel"`) and by its Keras 3 `variable.path`
+    (`"sequential/d1/kernel"`). An exact key wins; otherwise the first rule,
+    in insertion order, whose regex `fullmatch`es either key. A weight that
+    matches nothing is replicated on the map's mesh.
+
+    It is a `keras.distribution.LayoutMap`, so it can be handed to
+    `keras.distribution.ModelParallel` as well.
+
+    Example:
+
+    >>> import keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)])
+    >>> layout_map = klm.LayoutMap(mesh)
+    >>> layout_map[r".*dense.*kernel"] = (None, "model")
+    >>> layout_map[r".*dense.*bias"] = ("model",)
+    >>> layout_map["d1.kernel"]
+    Layout(['unsharded', 'model'], Mesh(batch=1, model=1))
+    >>> layout_map["d1.gamma"] is None
+    True
+    """
+
+    def __init__(self, mesh=None):
+        super().__init__(as_mesh(mesh))
+        self._matcher = None
+        self._distribution = None
+
+    # -- the mapping -------------------------------------------------------
+
+    def get_default_mesh(self):
+        """The mesh of this map: unmatched weights are replicated on it."""
+        return self._device_mesh
+
+    def __setitem__(self, key, layout):
+        if not isinstance(key, str):
+            raise TypeError(
+                f"LayoutMap keys are regex strings. Received: {key!r} of type "
+                f"{type(key).__name__}"
+            )
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(f"Rule {key!r} is not a valid regex: {e}") from None
+        if key in self._layout_map:
+            raise ValueError(
+                f"Rule {key!r} is already in the LayoutMap with layout "
+                f"{self._layout_map[key]!r}; delete it first to replace it."
+            )
+        layout = as_layout(layout, self._device_mesh, where=f"Rule {key!r}")
+        if layout.mesh is None:
+            raise ValueError(
+                f"Rule {key!r}: the layout {layout.sharding_specs} has no mesh "
+                "and neither has the LayoutMap. Pass `mesh=` to LayoutMap() "
+                "or give the layout a mesh."
+            )
+        if self._device_mesh is None:
+            self._device_mesh = layout.mesh
+        elif layout.mesh != self._device_mesh:
+            raise ValueError(
+                f"Rule {key!r}: its layout is on {layout.mesh!r} but the "
+                f"LayoutMap's mesh is {self._device_mesh!r}; all rules of a "
+                "map share one mesh."
+            )
+        self._layout_map[key] = layout
+        self._changed()
+
+    def __delitem__(self, key):
+        del self._layout_map[key]
+        self._changed()
+
+    def __getitem__(self, key):
+        """The layout for `key`: an exact key, else the first matching rule,
+        else None (Keras' `LayoutMap` contract)."""
+        return self.match(key)[1]
+
+    def _changed(self):
+        self._matcher = None
+        self._distribution = None
+
+    def match(self, *keys):
+        """`(rule, layout)` for the first of `keys`' matches, or `(None, None)`.
+
+        An exact key wins over regexes; among regexes the first rule in
+        insertion order that fullmatches any of `keys` wins.
+        """
+        for key in keys:
+            if key is not None and key in self._layout_map:
+                return key, self._layout_map[key]
+        if self._matcher is None:
+            self._matcher = _Matcher(self._layout_map)
+        hits = [self._matcher.first(k) for k in keys if k is not None]
+        hits = [h for h in hits if h is not None]
+        if not hits:
+            return None, None
+        rule = self._matcher.rules[min(hits)]
+        return rule, self._layout_map[rule]
+
+    def resolve(self, shape, *keys):
+        """`(rule, layout)` for a weight of `shape` named by `keys`.
+
+        Unmatched weights get a replicated layout on the map's mesh (rule
+        None). Raises `ValueError` naming the weight, the rule, the axis and
+        the sizes when the layout cannot hold the weight.
+        """
+        rule, layout = self.match(*keys)
+        if layout is None:
+            if self._device_mesh is None:
+                return None, None
+            return None, Layout.replicated(self._device_mesh, len(shape))
+        check_fits(layout, shape, " / ".join(k for k in keys if k), rule)
+        return rule, layout
+
+    # -- using it ------------------------------------------------------------
+
+    def distribution(self, batch_dim_name=None):
+        """The `klm.ModelParallel` distribution that applies this map."""
+        from keras_layoutmap.distribution import ModelParallel
+
+        if self._distribution is None or batch_dim_name is not None:
+            dist = ModelParallel(layout_map=self, batch_dim_name=batch_dim_name)
+            if batch_dim_name is not None:
+                return dist
+            self._distribution = dist
+        return self._distribution
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Create every weight built under (or by layers made under) this
+        scope with its layout; see `klm.ModelParallel`.
+
+        Example:
+
+        >>> import keras, keras_layoutmap as klm
+        >>> mesh = klm.create_mesh([("batch", 1)])
+        >>> layout_map = klm.LayoutMap(mesh)
+        >>> layout_map["d1.kernel"] = ("unsharded", "batch")
+        >>> with layout_map.scope():
+        ...     model = keras.Sequential([keras.Input((4,)),
+        ...                               keras.layers.Dense(2, name="d1")])
+        >>> klm.fetch_layout(model.layers[0].kernel).sharding_specs
+        ['unsharded', 'batch']
+        """
+        if self._device_mesh is None:
+            raise ValueError(
+                "LayoutMap.scope() needs a mesh: pass `mesh=` to LayoutMap() "
+                "or add a rule whose layout has one."
+            )
+        dist = self.distribution()
+        with dist.scope():
+            yield dist
+
+    def explain(self, model):
+        """A report of which rule gives each weight of `model` its layout."""
+        from keras_layoutmap.explain import explain
+
+        return explain(model, self)
+
+    # -- rules as data -------------------------------------------------------
+
+    def get_config(self):
+        mesh = self._device_mesh
+        return {
+            "mesh": None if mesh is None else as_mesh(mesh).get_config(),
+            "rules": [
+                [key, layout.sharding_specs]
+                for key, layout in self._layout_map.items()
+            ],
+        }
+
+    @classmethod
+    def from_config(cls, config, mesh=None):
+        """Rebuild a map; `mesh` (if given) replaces the stored one, which
+        lets the same rules run on a mesh of another shape."""
+        if not isinstance(config, dict) or "rules" not in config:
+            raise ValueError(
+                "A LayoutMap config is a dict with a 'rules' list of "
+                f"[regex, sharding_specs] pairs. Received: {config!r}"
+            )
+        if mesh is None and config.get("mesh") is not None:
+            mesh = Mesh.from_config(config["mesh"])
+        layout_map = cls(mesh)
+        rules = config["rules"]
+        if isinstance(rules, dict):
+            rules = list(rules.items())
+        for entry in rules:
+            if isinstance(entry, dict):
+                key, specs = entry["rule"], entry["layout"]
+            else:
+                key, specs = entry
+            layout_map[key] = tuple(specs)
+        return layout_map
+
+    @classmethod
+    def from_keras(cls, layout_map, mesh=None):
+        """A `klm.LayoutMap` with the rules of a `keras.distribution.LayoutMap`
+        (e.g. from a keras-hub backbone's `get_layout_map()`)."""
+        mesh = as_mesh(mesh or layout_map.device_mesh)
+        result = cls(mesh)
+        for key in layout_map:
+            result[key] = tuple(layout_map._layout_map[key].axes)
+        return result
+
+    def to_json(self, **kwargs):
+        """The rules and mesh axes as JSON text."""
+        return json.dumps(self.get_config(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text, mesh=None):
+        return cls.from_config(json.loads(text), mesh=mesh)
+
+    @classmethod
+    def from_file(cls, path, mesh=None):
+        """Load rules from a `.json`, `.yaml`/`.yml` or `.toml` file.
+
+        Every format holds the `get_config()` structure::
+
+            mesh:
+              dims: [[batch, 4], [model, 2]]
+            rules:
+              - [".*dense.*kernel", [unsharded, model]]
+              - [".*dense.*bias", [model]]
+        """
+        path = str(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            config = yaml.safe_load(data)
+        elif path.endswith(".toml"):
+            import tomllib
+
+            config = tomllib.loads(data.decode())
+        elif path.endswith(".json"):
+            config = json.loads(data)
+        else:
+            raise ValueError(
+                f"Unknown rules file type {path!r}: expected .json, .yaml, "
+                ".yml or .toml"
+            )
+        return cls.from_config(config, mesh=mesh)
+
+    def __repr__(self):
+        rules = ", ".join(
+            f"{k!r}: {v.sharding_specs}" for k, v in self._layout_map.items()
+        )
+        return f"LayoutMap({self._device_mesh!r}, {{{rules}}})"

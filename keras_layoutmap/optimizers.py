@@ -1,0 +1,66 @@
+"""Every `keras.optimizers` class, taking `mesh=`.
+
+`klm.optimizers.Adam(0.01, mesh=mesh)` is a `keras.optimizers.Adam` whose
+state lives on `mesh`: the iteration count and learning rate replicated,
+each slot (momentum, velocity, ...) with the layout of its weight. That lets
+a custom training loop apply gradients outside any distribution scope, as
+`tf.keras.dtensor.experimental.optimizers` did.
+
+Example:
+
+>>> import keras_layoutmap as klm
+>>> mesh = klm.create_mesh([("batch", 1)])
+>>> optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
+>>> klm.fetch_layout(optimizer.iterations).mesh == mesh
+True
+"""
+
+import inspect
+
+import keras
+
+from keras_layoutmap.distribution import mesh_scope
+from keras_layoutmap.mesh import as_mesh
+
+
+def _mesh_aware(base):
+    def __init__(self, *args, mesh=None, **kwargs):
+        object.__setattr__(self, "_klm_mesh", as_mesh(mesh))
+        with mesh_scope(self._klm_mesh):
+            base.__init__(self, *args, **kwargs)
+
+    def build(self, variables):
+        with mesh_scope(self._klm_mesh):
+            return base.build(self, variables)
+
+    @property
+    def mesh(self):
+        """The mesh this optimizer keeps its state on (None: follow the
+        active distribution)."""
+        return self._klm_mesh
+
+    cls = type(
+        base.__name__,
+        (base,),
+        {
+            "__init__": __init__,
+            "build": build,
+            "mesh": mesh,
+            "__doc__": f"`keras.optimizers.{base.__name__}` with `mesh=`.\n\n"
+            + (base.__doc__ or ""),
+            "__module__": __name__,
+        },
+    )
+    return keras.saving.register_keras_serializable("keras_layoutmap")(cls)
+
+
+__all__ = []
+for _name, _obj in vars(keras.optimizers).items():
+    if (
+        inspect.isclass(_obj)
+        and issubclass(_obj, keras.optimizers.Optimizer)
+        and _obj is not keras.optimizers.Optimizer
+        and _name[0].isupper()
+    ):
+        globals()[_name] = _mesh_aware(_obj)
+        __all__.append(_name)

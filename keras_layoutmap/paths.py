@@ -1,0 +1,134 @@
+"""Object paths of weights, in the TF-Keras convention.
+
+A weight has two names a rule can match:
+
+- its Keras 3 `variable.path` (`"sequential/d1/kernel"`), and
+- its *object path*, the one TF-Keras' `LayoutMap` used: for a subclassed
+  model the chain of attribute names (`"feature.kernel"`,
+  `"blocks.0.dense.kernel"`); inside a Functional or Sequential model a layer
+  is named by `layer.name` (`"d1.kernel"`).
+
+`object_paths(model)` walks a model top-down. `object_path(layer, name)`
+answers the same question bottom-up while a weight is being created, when the
+model that will own the layer may not exist yet; it uses a registry of live
+layers (weak references only) to find each layer's parent.
+"""
+
+import weakref
+
+from keras import layers as keras_layers
+from keras import models as keras_models
+from keras.src.models.functional import Functional
+
+# Every live layer, so that a layer's parent can be found while it builds.
+_LIVE_LAYERS = weakref.WeakSet()
+_parents = {}  # id(child) -> (weakref(parent), attribute path)
+_parents_built_for = -1  # len(_LIVE_LAYERS) when `_parents` was built
+
+_SKIPPED_ATTRIBUTES = {"_layers", "_tracker", "_inbound_nodes",
+                       "_outbound_nodes", "_operations", "_self_setattr_tracking"}
+
+
+def register(layer):
+    """Record a new layer so that it can later be found as a parent."""
+    _LIVE_LAYERS.add(layer)
+
+
+def _is_graph_model(layer):
+    return isinstance(layer, (Functional, keras_models.Sequential))
+
+
+def children(layer):
+    """`(key, child_layer)` pairs of `layer`'s direct sublayers, in order.
+
+    Functional and Sequential models name their layers by `layer.name`;
+    every other layer by attribute name, `name.i` for lists and tuples and
+    `name.key` for dicts.
+    """
+    if _is_graph_model(layer):
+        for child in layer.layers:
+            if not isinstance(child, keras_layers.InputLayer):
+                yield child.name, child
+        return
+    for attr, value in list(vars(layer).items()):
+        if attr in _SKIPPED_ATTRIBUTES:
+            continue
+        if isinstance(value, keras_layers.Layer):
+            yield attr, value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, keras_layers.Layer):
+                    yield f"{attr}.{i}", item
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, keras_layers.Layer):
+                    yield f"{attr}.{key}", item
+
+
+def _own_variables(layer):
+    return list(layer._trainable_variables) + list(
+        layer._non_trainable_variables
+    )
+
+
+def object_paths(model, with_owner=False):
+    """`{id(variable): object_path}` for every weight of `model`, top-down
+    (`{id(variable): (object_path, owning_layer)}` with `with_owner`)."""
+    paths = {}
+
+    def visit(layer, prefix, seen):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        for variable in _own_variables(layer):
+            paths.setdefault(
+                id(variable),
+                (prefix + variable.name, layer) if with_owner
+                else prefix + variable.name,
+            )
+        for key, child in children(layer):
+            visit(child, f"{prefix}{key}.", seen)
+
+    top = "" if isinstance(model, keras_models.Model) else f"{model.name}."
+    visit(model, top, set())
+    return paths
+
+
+def _rebuild_parents():
+    global _parents_built_for
+    _parents.clear()
+    for parent in list(_LIVE_LAYERS):
+        for key, child in children(parent):
+            _parents.setdefault(id(child), (weakref.ref(parent), key))
+    _parents_built_for = len(_LIVE_LAYERS)
+
+
+def _parent_of(layer):
+    entry = _parents.get(id(layer))
+    if entry is None and _parents_built_for != len(_LIVE_LAYERS):
+        _rebuild_parents()
+        entry = _parents.get(id(layer))
+    parent = entry[0]() if entry is not None else None
+    return (parent, entry[1]) if parent is not None else (None, None)
+
+
+def object_path(layer, weight_name):
+    """The object path that weight `weight_name` of `layer` will have.
+
+    Used while the weight is being created: climbs from `layer` to the
+    outermost layer that holds it. A root that is a model contributes no
+    name (a subclassed model's weights are named by attributes only); a root
+    that is a plain layer is named by `layer.name`, as Functional and
+    Sequential models name their layers.
+    """
+    keys, node, seen = [], layer, {id(layer)}
+    while True:
+        parent, key = _parent_of(node)
+        if parent is None or id(parent) in seen:
+            break
+        seen.add(id(parent))
+        keys.append(key)
+        node = parent
+    if not isinstance(node, keras_models.Model):
+        keys.append(node.name)
+    return ".".join([*reversed(keys), weight_name])
