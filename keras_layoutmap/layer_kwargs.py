@@ -52,10 +52,12 @@ def _pop_layout_kwargs(kwargs):
 
 
 def _wrap_init(original):
+    # Keyword-only, like `Layer.__init__`: Keras' auto-config reads this
+    # signature with `getfullargspec`, which must find no `*args`.
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, **kwargs):
         layouts = _pop_layout_kwargs(kwargs)
-        original(self, *args, **kwargs)
+        original(self, **kwargs)
         paths.register(self)
         _set(self, "_klm_weight_layouts", layouts)
         current = keras_distribution.distribution()

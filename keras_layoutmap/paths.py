@@ -51,8 +51,8 @@ def children(layer):
                 yield child.name, child
         return
     for attr, value in list(vars(layer).items()):
-        if attr in _SKIPPED_ATTRIBUTES:
-            continue
+        if attr in _SKIPPED_ATTRIBUTES or attr.startswith("_self_"):
+            continue  # Keras' own tracking (and tf.Module's on TensorFlow)
         if isinstance(value, keras_layers.Layer):
             yield attr, value
         elif isinstance(value, (list, tuple)):

@@ -1,0 +1,47 @@
+import os
+
+import pytest
+
+import keras_layoutmap as klm
+from keras_layoutmap import backends
+
+# The first call after import, as a user script does. Sharding tests need a
+# backend that places tensors on a mesh (JAX today); elsewhere only the
+# backend-neutral tests run (nox passes -m "not sharding").
+SHARDING = backends.get().SHARDING
+if SHARDING:
+    klm.configure_virtual_devices(8)
+
+import keras  # noqa: E402
+
+FAKE_DEVICES = [f"cpu:{i}" for i in range(8)]
+
+
+def fake_mesh(dims):
+    """A mesh over named (not real) devices: enough for rules, layouts and
+    explain, which never place a tensor."""
+    size = 1
+    for _, n in dims:
+        size *= n
+    return klm.create_mesh(dims, devices=FAKE_DEVICES[:size])
+
+
+@pytest.fixture
+def mesh_2d():
+    return fake_mesh([("batch", 4), ("model", 2)])
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    keras.backend.clear_session()
+    klm.set_distribution(None)
+    yield
+    klm.set_distribution(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "sharding" in item.keywords and not SHARDING:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs a backend that places tensors on a mesh; the "
+                f"{os.environ.get('KERAS_BACKEND')} backend cannot yet"))

@@ -1,0 +1,209 @@
+"""Rules: matching, precedence, errors and rules as data (backend-neutral)."""
+
+import json
+
+import keras
+import pytest
+from conftest import fake_mesh
+
+import keras_layoutmap as klm
+
+
+@pytest.fixture
+def layout_map(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    lm[r".*dense.*kernel"] = (None, "model")
+    lm[r".*dense.*bias"] = ("model",)
+    lm[r".*kernel"] = ("model", None)
+    return lm
+
+
+def test_is_a_keras_layout_map(layout_map):
+    assert isinstance(layout_map, keras.distribution.LayoutMap)
+    assert layout_map.get_default_mesh() is layout_map.device_mesh
+    assert list(layout_map) == [r".*dense.*kernel", r".*dense.*bias", r".*kernel"]
+    assert len(layout_map) == 3
+
+
+def test_first_rule_in_insertion_order_wins(layout_map):
+    # ".*dense.*kernel" and ".*kernel" both match; the earlier one wins.
+    assert layout_map["dense_1.kernel"].axes == (None, "model")
+    assert layout_map["conv.kernel"].axes == ("model", None)
+    assert layout_map["dense_1.gamma"] is None
+
+
+def test_exact_key_beats_earlier_regex(layout_map):
+    layout_map["dense_1.kernel"] = (None, None)
+    assert layout_map["dense_1.kernel"].axes == (None, None)
+    assert layout_map["dense_2.kernel"].axes == (None, "model")
+
+
+def test_match_uses_either_key_and_reports_rule(layout_map):
+    rule, layout = layout_map.match("feature.kernel", "model/dense_3/kernel")
+    # ".*dense.*kernel" (rule 0) matches the variable path; ".*kernel"
+    # (rule 2) matches both; the earliest rule over both keys wins.
+    assert rule == r".*dense.*kernel"
+    assert layout.axes == (None, "model")
+
+
+def test_fullmatch_not_search(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    lm["d1"] = ("model",)
+    assert lm["d1.bias"] is None
+    assert lm["d1"] is not None
+
+
+def test_rules_with_groups_and_backreferences(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    lm[r"(a|b)\.(?P<w>kernel)"] = (None, "model")
+    lm[r"(x)\1\.kernel"] = ("model", None)  # numbered back-reference
+    lm[r".*"] = (None, None)
+    assert lm["a.kernel"].axes == (None, "model")
+    assert lm["xx.kernel"].axes == ("model", None)
+    assert lm["xy.kernel"].axes == (None, None)
+
+
+def test_tuple_value_uses_map_mesh(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    lm["w"] = ("batch", "unsharded")
+    assert lm["w"] == klm.Layout(["batch", None], mesh_2d)
+
+
+def test_mesh_taken_from_first_layout(mesh_2d):
+    lm = klm.LayoutMap()
+    lm["w"] = klm.Layout(["model"], mesh_2d)
+    assert lm.get_default_mesh() == mesh_2d
+    lm["v"] = ("batch",)
+    assert lm["v"].mesh == mesh_2d
+
+
+def test_delete_rule(layout_map):
+    del layout_map[r".*dense.*kernel"]
+    assert layout_map["dense_1.kernel"].axes == ("model", None)
+
+
+# --- errors, each naming the rule, the axis and sizes ----------------------
+
+def test_invalid_regex(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(ValueError, match=r"Rule '\(unclosed' is not a valid regex"):
+        lm["(unclosed"] = ("model",)
+    assert len(lm) == 0
+
+
+def test_duplicate_key(layout_map):
+    with pytest.raises(ValueError, match=r"Rule '\.\*kernel' is already in"):
+        layout_map[r".*kernel"] = (None, None)
+    assert layout_map["x.kernel"].axes == ("model", None)
+
+
+def test_value_not_a_layout(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(TypeError, match=r"Rule 'w'.*Received: 3 of type int"):
+        lm["w"] = 3
+    assert "w" not in list(lm)
+
+
+def test_axis_not_in_mesh(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(ValueError, match=r"'feature' is not in the mesh.*"
+                       r"'batch': 4, 'model': 2"):
+        lm["w"] = (None, "feature")
+
+
+def test_axis_used_twice(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(ValueError, match="'model' is used for more than one"):
+        lm["w"] = ("model", "model")
+
+
+def test_layout_on_another_mesh(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    other = fake_mesh([("batch", 2), ("model", 4)])
+    with pytest.raises(ValueError, match=r"Rule 'w'.*Mesh\(batch=2, model=4\)"):
+        lm["w"] = klm.Layout(["model"], other)
+
+
+def test_rank_mismatch_names_rule_path_and_sizes(layout_map):
+    with pytest.raises(ValueError) as info:
+        layout_map.resolve((64,), "d1.kernel", "seq/d1/kernel")
+    message = str(info.value)
+    for part in ["d1.kernel / seq/d1/kernel", "(64,)", "rank 1", "rank 2",
+                 r"rule '.*kernel'"]:
+        assert part in message
+
+
+def test_indivisible_dimension_names_axis_and_sizes(layout_map):
+    with pytest.raises(ValueError) as info:
+        layout_map.resolve((64, 33), "dense.kernel", "m/dense/kernel")
+    message = str(info.value)
+    for part in ["dense.kernel", "(64, 33)", "dimension 1 (size 33)",
+                 "mesh axis 'model' (size 2)", r"rule '.*dense.*kernel'"]:
+        assert part in message
+
+
+def test_unmatched_weight_is_replicated(layout_map):
+    rule, layout = layout_map.resolve((3, 5), "norm.gamma", "m/norm/gamma")
+    assert rule is None
+    assert layout == klm.Layout.replicated(layout_map.device_mesh, 2)
+
+
+# --- rules as data -----------------------------------------------------------
+
+def test_json_roundtrip(layout_map):
+    text = layout_map.to_json()
+    data = json.loads(text)
+    assert data["mesh"] == {"dims": [["batch", 4], ["model", 2]]}
+    again = klm.LayoutMap.from_json(text, mesh=layout_map.device_mesh)
+    assert list(again) == list(layout_map)
+    for key in layout_map:
+        assert again[key] == layout_map[key]
+
+
+def test_json_onto_another_mesh(layout_map):
+    other = fake_mesh([("batch", 2), ("model", 4)])
+    again = klm.LayoutMap.from_json(layout_map.to_json(), mesh=other)
+    assert again["x.dense.kernel"] == klm.Layout([None, "model"], other)
+
+
+def test_rules_files(tmp_path, mesh_2d):
+    yaml_text = """
+mesh:
+  dims: [[batch, 4], [model, 2]]
+rules:
+  - [".*dense.*kernel", [unsharded, model]]
+  - [".*dense.*bias", [model]]
+"""
+    toml_text = """
+rules = [[".*dense.*kernel", ["unsharded", "model"]],
+         [".*dense.*bias", ["model"]]]
+[mesh]
+dims = [["batch", 4], ["model", 2]]
+"""
+    json_text = json.dumps({"rules": [[".*dense.*kernel", [None, "model"]],
+                                      [".*dense.*bias", ["model"]]]})
+    for name, text in [("r.yaml", yaml_text), ("r.toml", toml_text),
+                       ("r.json", json_text)]:
+        path = tmp_path / name
+        path.write_text(text)
+        lm = klm.LayoutMap.from_file(path, mesh=mesh_2d)
+        assert list(lm) == [".*dense.*kernel", ".*dense.*bias"]
+        assert lm["d.dense.kernel"] == klm.Layout([None, "model"], mesh_2d)
+    bad = tmp_path / "r.ini"
+    bad.write_text("")
+    with pytest.raises(ValueError, match="Unknown rules file type"):
+        klm.LayoutMap.from_file(bad)
+
+
+def test_from_config_rejects_garbage():
+    with pytest.raises(ValueError, match="'rules' list"):
+        klm.LayoutMap.from_config({"nope": 1})
+
+
+def test_from_keras_layout_map(mesh_2d):
+    keras_map = keras.distribution.LayoutMap(mesh_2d)
+    keras_map["token_embedding/embeddings"] = ("model", None)
+    keras_map[".*ffw.*kernel"] = (None, "model")
+    lm = klm.LayoutMap.from_keras(keras_map)
+    assert list(lm) == list(keras_map)
+    assert lm["token_embedding/embeddings"].axes == ("model", None)

@@ -1,0 +1,86 @@
+import keras
+import pytest
+from conftest import fake_mesh
+
+import keras_layoutmap as klm
+
+
+def test_create_mesh_properties(mesh_2d):
+    assert isinstance(mesh_2d, keras.distribution.DeviceMesh)
+    assert mesh_2d.dim_names == ["batch", "model"]
+    assert tuple(mesh_2d.shape) == (4, 2)
+    assert mesh_2d.size == 8
+    assert mesh_2d.dim_size("model") == 2
+    assert mesh_2d.devices.shape == (4, 2)
+
+
+def test_mesh_equality_by_value():
+    a = fake_mesh([("batch", 4), ("model", 2)])
+    b = fake_mesh([("batch", 4), ("model", 2)])
+    c = fake_mesh([("batch", 2), ("model", 4)])
+    assert a == b and hash(a) == hash(b)
+    assert a != c
+
+
+@pytest.mark.parametrize("dims", [[("batch",)], "batch", [("a", 2), ("a", 4)]])
+def test_create_mesh_rejects_bad_dims(dims):
+    with pytest.raises(ValueError):
+        klm.create_mesh(dims, devices=[f"cpu:{i}" for i in range(8)])
+
+
+def test_create_mesh_device_count_mismatch():
+    with pytest.raises(ValueError, match="needs 8 devices. Received 3"):
+        klm.create_mesh([("batch", 8)], devices=["cpu:0", "cpu:1", "cpu:2"])
+
+
+def test_dim_size_unknown_axis(mesh_2d):
+    with pytest.raises(ValueError, match="'feature' is not in this mesh"):
+        mesh_2d.dim_size("feature")
+
+
+def test_layout_basics(mesh_2d):
+    layout = klm.Layout(["batch", klm.UNSHARDED], mesh_2d)
+    assert isinstance(layout, keras.distribution.TensorLayout)
+    assert layout.sharding_specs == ["batch", "unsharded"]
+    assert layout.axes == ("batch", None)
+    assert layout.rank == 2
+    assert layout.mesh is mesh_2d
+    assert layout == klm.Layout(["batch", None], mesh_2d)
+    assert hash(layout) == hash(klm.Layout(["batch", None], mesh_2d))
+    assert layout != klm.Layout([None, "batch"], mesh_2d)
+    assert len({layout, klm.Layout(["batch", None], mesh_2d)}) == 1
+
+
+def test_layout_constructors(mesh_2d):
+    assert klm.Layout.replicated(mesh_2d, 3).sharding_specs == ["unsharded"] * 3
+    assert klm.Layout.batch_sharded(mesh_2d, "batch", rank=2).axes == ("batch", None)
+    assert klm.Layout.batch_sharded(mesh_2d, "model", rank=3, axis=1).axes == (
+        None, "model", None)
+    assert klm.Layout.inner_sharded(mesh_2d, "model", rank=2).axes == (None, "model")
+    layout = klm.Layout(["batch", None, "model"], mesh_2d)
+    assert layout.delete([1]).axes == ("batch", "model")
+    assert layout.delete([0, -1]).axes == (None,)
+
+
+def test_layout_errors(mesh_2d):
+    with pytest.raises(ValueError, match="'feature' is not in the mesh"):
+        klm.Layout(["feature", None], mesh_2d)
+    with pytest.raises(ValueError, match="'model' is used for more than one"):
+        klm.Layout(["model", "model"], mesh_2d)
+    with pytest.raises(TypeError, match="not a string"):
+        klm.Layout("batch", mesh_2d)
+    with pytest.raises(TypeError, match="must be a mesh axis name"):
+        klm.Layout([3, None], mesh_2d)
+
+
+def test_layout_config_roundtrip(mesh_2d):
+    layout = klm.Layout([None, "model"], mesh_2d)
+    config = layout.get_config()
+    assert config == {"sharding_specs": ["unsharded", "model"],
+                      "mesh": {"dims": [["batch", 4], ["model", 2]]}}
+    assert klm.Layout.from_config(config, mesh=mesh_2d) == layout
+
+
+def test_shard_shape(mesh_2d):
+    layout = klm.Layout([None, "model"], mesh_2d)
+    assert layout.shard_shape((64, 32)) == (64, 16)

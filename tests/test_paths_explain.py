@@ -1,0 +1,122 @@
+"""Object paths (TF-Keras convention) and `explain` (backend-neutral)."""
+
+import keras
+import pytest
+from conftest import fake_mesh
+
+import keras_layoutmap as klm
+from keras_layoutmap import paths
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.feature = keras.layers.Dense(16)
+        self.blocks = [Block(), Block()]
+        self.heads = {"out": keras.layers.Dense(4)}
+        self.scale = self.add_weight(shape=(), name="scale")
+
+    def call(self, x):
+        x = self.feature(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.heads["out"](x) * self.scale
+
+
+def _by_path(model):
+    return {v.path: p for v, p in
+            ((v, paths.object_paths(model)[id(v)]) for v in model.weights)}
+
+
+def test_subclassed_attribute_paths():
+    model = Subclassed()
+    model(keras.ops.zeros((2, 4)))
+    assert sorted(paths.object_paths(model).values()) == sorted([
+        "scale", "feature.kernel", "feature.bias",
+        "blocks.0.dense.kernel", "blocks.0.dense.bias",
+        "blocks.1.dense.kernel", "blocks.1.dense.bias",
+        "heads.out.kernel", "heads.out.bias",
+    ])
+
+
+def test_functional_and_sequential_use_layer_names():
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(8, name="d1")(inputs)
+    x = Block(name="blk")(x)
+    functional = keras.Model(inputs, keras.layers.Dense(2, name="d2")(x))
+    assert sorted(paths.object_paths(functional).values()) == sorted([
+        "d1.kernel", "d1.bias", "blk.dense.kernel", "blk.dense.bias",
+        "d2.kernel", "d2.bias"])
+    sequential = keras.Sequential([keras.Input((4,)),
+                                   keras.layers.Dense(3, name="s1")])
+    assert sorted(paths.object_paths(sequential).values()) == [
+        "s1.bias", "s1.kernel"]
+
+
+def test_bottom_up_path_agrees_with_top_down():
+    model = Subclassed()
+    model(keras.ops.zeros((2, 4)))
+    dense = model.blocks[1].dense
+    assert paths.object_path(dense, "kernel") == "blocks.1.dense.kernel"
+    assert paths.object_path(model, "scale") == "scale"
+    inputs = keras.Input((4,))
+    layer = keras.layers.Dense(2, name="lonely")
+    layer(inputs)
+    assert paths.object_path(layer, "kernel") == "lonely.kernel"
+
+
+def test_explain_report():
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"feature\.kernel"] = (None, "model")
+    lm[r".*dense.*kernel"] = ("model", None)
+    lm[r"blocks\.0\.dense\.kernel"] = (None, None)  # shadowed by the rule above
+    lm[r"nothing.*"] = ("model",)  # matches nothing
+    model = Subclassed()
+    model(keras.ops.zeros((2, 4)))
+    report = lm.explain(model)
+    rows = {r.object_path: r for r in report.rows}
+    assert len(rows) == len(model.weights)
+    assert rows["feature.kernel"].rule == r"feature\.kernel"
+    assert rows["feature.kernel"].layout.axes == (None, "model")
+    assert rows["feature.kernel"].bytes_per_device == 4 * 16 // 2 * 4
+    assert rows["blocks.0.dense.kernel"].rule == r".*dense.*kernel"
+    assert rows["blocks.0.dense.kernel"].bytes_per_device == 16 // 2 * 8 * 4
+    assert rows["feature.bias"].rule is None
+    assert rows["feature.bias"].layout.axes == (None,)
+    assert rows["feature.bias"].path == model.feature.bias.path
+    assert rows["feature.bias"].shape == (16,)
+    assert report.unused_rules == [r"nothing.*"]
+    assert report.shadowed_rules == [r"blocks\.0\.dense\.kernel"]
+    assert report.bytes_per_device == sum(r.bytes_per_device for r in report.rows)
+    text = str(report)
+    assert "feature.kernel" in text and "shadowed" in text
+    assert f"{report.bytes_per_device:,}" in text
+
+
+def test_explain_one_device_mesh_matches_variable_paths():
+    mesh = fake_mesh([("batch", 1)])
+    lm = klm.LayoutMap(mesh)
+    lm["sequential.*/d1/kernel"] = (None, "batch")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d1")],
+                             name="sequential_x")
+    report = lm.explain(model)
+    row = next(r for r in report.rows if r.object_path == "d1.kernel")
+    assert row.rule == "sequential.*/d1/kernel"
+
+
+def test_explain_reports_bad_rule_for_weight(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    lm["d1.kernel"] = (None, "batch")  # 3 % 4 != 0
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d1")])
+    with pytest.raises(ValueError, match=r"d1.kernel.*size 3.*'batch' \(size 4\)"):
+        lm.explain(model)
