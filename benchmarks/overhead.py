@@ -54,9 +54,9 @@ from rich.table import Table  # noqa: E402
 SEED = 1234
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 GLOBAL_BATCH = 64  # divisible by the batch axis (4): plain Keras needs it
-STEPS_PER_ROUND = 40
+STEPS_PER_ROUND = 25
 SKIP = 5  # first steps of each fit call: compile and warm-up
-ROUNDS = 6
+ROUNDS = 10
 GOAL = 1.03
 
 MESH_DIMS = [("batch", 4), ("model", 2)]
@@ -187,29 +187,37 @@ def main():
     table.add_column("run")
     table.add_column("median step (ms)", justify="right")
     table.add_column("mean step (ms)", justify="right")
-    table.add_column("per-round medians (ms)", justify="right")
+    table.add_column("min / max round median (ms)", justify="right")
     table.add_column("steps", justify="right")
     for name, steps in times.items():
         table.add_row(
             name,
             f"{statistics.median(steps) * 1e3:.2f}",
             f"{statistics.fmean(steps) * 1e3:.2f}",
-            ", ".join(f"{t * 1e3:.2f}" for t in per_round[name]),
+            f"{min(per_round[name]) * 1e3:.2f} / {max(per_round[name]) * 1e3:.2f}",
             str(len(steps)),
         )
     console.print(table)
-    diff = max(
-        float(np.max(np.abs(
-            np.asarray(a) - np.asarray(b)
-        )))
-        for a, b in zip(runs["klm"][0].get_weights(), runs["plain"][0].get_weights())
+    weights = zip(
+        runs["klm"][0].get_weights(), runs["plain"][0].get_weights(), strict=True
     )
-    console.print(f"largest weight difference klm vs plain after training: {diff:.2e}")
+    diff = max(float(np.max(np.abs(a - b))) for a, b in weights)
+    console.print(
+        f"largest weight difference klm vs plain after training: {diff:.2e}"
+    )
     ratio = statistics.median(times["klm"]) / statistics.median(times["plain"])
+    # Noise on a shared machine comes in bursts that can spoil one whole
+    # round; the rounds of a pair ran back to back, so their ratio is robust.
+    paired = statistics.median(
+        k / p for k, p in zip(per_round["klm"], per_round["plain"], strict=True)
+    )
     verdict = "meets" if ratio <= GOAL else "misses"
     console.print(
         f"ratio klm/plain (median step time): {ratio:.3f}  "
         f"(goal <= {GOAL}: {verdict})"
+    )
+    console.print(
+        f"ratio klm/plain (median of per-round paired ratios): {paired:.3f}"
     )
 
 

@@ -10,7 +10,7 @@ from keras_layoutmap import metrics as _metrics
 from keras_layoutmap import trainer as _trainer
 from keras_layoutmap import metrics, optimizers
 from keras_layoutmap.data import copy_to_mesh, distribute, fetch_layout, pack, unpack
-from keras_layoutmap.distribution import (
+from keras_layoutmap.distributions import (
     DataParallel,
     ModelParallel,
     distribution,

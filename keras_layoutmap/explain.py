@@ -58,7 +58,7 @@ class Report:
 
 def explain(model, layout_map):
     """Resolve every weight of `model` against `layout_map`."""
-    from keras_layoutmap.distribution import _kwarg_layout
+    from keras_layoutmap.distributions import _kwarg_layout
     from keras_layoutmap.layout import as_layout, check_fits
 
     owners = paths.object_paths(model, with_owner=True)

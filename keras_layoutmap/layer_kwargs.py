@@ -15,13 +15,14 @@ distribution the layer was made under, so weights built later, outside the
 scope, still get their layouts.
 """
 
+import contextlib
 import functools
 
 from keras import distribution as keras_distribution
 from keras import layers as keras_layers
 
 from keras_layoutmap import paths
-from keras_layoutmap.distribution import creating_weight, replicated_on
+from keras_layoutmap.distributions import creating_weight, replicated_on
 from keras_layoutmap.layout import as_layout
 
 _SUFFIX = "_layout"
@@ -84,16 +85,30 @@ def _wrap_add_weight(original):
     @functools.wraps(original)
     def add_weight(self, *args, **kwargs):
         name = kwargs.get("name")
-        scope = None
+        scope = contextlib.nullcontext()
         if keras_distribution.distribution() is None:
-            scope = remembered_distribution(self)
-        with creating_weight(self, name):
-            if scope is None:
-                return original(self, *args, **kwargs)
-            with scope.scope():
-                return original(self, *args, **kwargs)
+            remembered = remembered_distribution(self)
+            if remembered is not None:
+                scope = remembered.scope()
+        with creating_weight(self, name), scope:
+            variable = original(self, *args, **kwargs)
+            _resolve_deferred(variable)
+        return variable
 
     return add_weight
+
+
+def _resolve_deferred(variable):
+    """Keras defers initialising a variable made while it traces (e.g. a
+    subclassed model's first call); its layout would then be chosen later,
+    outside `add_weight`, without the object path. Choose it now."""
+    dist = keras_distribution.distribution()
+    if (
+        dist is not None
+        and getattr(variable, "_layout", None) is None
+        and getattr(variable, "_value", True) is None
+    ):
+        variable._layout = dist.get_variable_layout(variable)
 
 
 def _wrap_post_build(original):

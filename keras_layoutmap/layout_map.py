@@ -166,7 +166,7 @@ class LayoutMap(keras_distribution.LayoutMap):
 
     def distribution(self, batch_dim_name=None):
         """The `klm.ModelParallel` distribution that applies this map."""
-        from keras_layoutmap.distribution import ModelParallel
+        from keras_layoutmap.distributions import ModelParallel
 
         if self._distribution is None or batch_dim_name is not None:
             dist = ModelParallel(layout_map=self, batch_dim_name=batch_dim_name)

@@ -19,7 +19,7 @@ import inspect
 
 import keras
 
-from keras_layoutmap.distribution import mesh_scope
+from keras_layoutmap.distributions import mesh_scope
 from keras_layoutmap.mesh import as_mesh
 
 

@@ -22,8 +22,9 @@ from keras.src.models.functional import Functional
 
 # Every live layer, so that a layer's parent can be found while it builds.
 _LIVE_LAYERS = weakref.WeakSet()
-_parents = {}  # id(child) -> (weakref(parent), attribute path)
-_parents_built_for = -1  # len(_LIVE_LAYERS) when `_parents` was built
+_parents = {}  # id(child) -> (weakref(child), weakref(parent), key)
+_registered = 0  # layers registered so far
+_parents_built_at = -1  # `_registered` when `_parents` was last built
 
 _SKIPPED_ATTRIBUTES = {"_layers", "_tracker", "_inbound_nodes",
                        "_outbound_nodes", "_operations", "_self_setattr_tracking"}
@@ -31,7 +32,9 @@ _SKIPPED_ATTRIBUTES = {"_layers", "_tracker", "_inbound_nodes",
 
 def register(layer):
     """Record a new layer so that it can later be found as a parent."""
+    global _registered
     _LIVE_LAYERS.add(layer)
+    _registered += 1
 
 
 def _is_graph_model(layer):
@@ -95,21 +98,31 @@ def object_paths(model, with_owner=False):
 
 
 def _rebuild_parents():
-    global _parents_built_for
+    global _parents_built_at
     _parents.clear()
     for parent in list(_LIVE_LAYERS):
         for key, child in children(parent):
-            _parents.setdefault(id(child), (weakref.ref(parent), key))
-    _parents_built_for = len(_LIVE_LAYERS)
+            _parents.setdefault(
+                id(child), (weakref.ref(child), weakref.ref(parent), key)
+            )
+    _parents_built_at = _registered
+
+
+def _lookup(layer):
+    entry = _parents.get(id(layer))
+    if entry is None or entry[0]() is not layer:
+        return None, None  # unknown, or a dead layer's recycled id
+    parent = entry[1]()
+    return (parent, entry[2]) if parent is not None else (None, None)
 
 
 def _parent_of(layer):
-    entry = _parents.get(id(layer))
-    if entry is None and _parents_built_for != len(_LIVE_LAYERS):
+    """`(parent, key)` of `layer`, or `(None, None)` for a root."""
+    parent, key = _lookup(layer)
+    if parent is None and _parents_built_at != _registered:
         _rebuild_parents()
-        entry = _parents.get(id(layer))
-    parent = entry[0]() if entry is not None else None
-    return (parent, entry[1]) if parent is not None else (None, None)
+        parent, key = _lookup(layer)
+    return parent, key
 
 
 def object_path(layer, weight_name):

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 
 from keras import distribution as keras_distribution
+from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
 from keras_layoutmap import paths
 from keras_layoutmap.layout import Layout, as_layout, check_fits
@@ -116,15 +117,30 @@ class DataParallel(_Resolving, keras_distribution.DataParallel):
     'batch'
     """
 
-    def __init__(self, device_mesh=None, devices=None, auto_shard_dataset=True):
-        if device_mesh is not None:
-            device_mesh = as_mesh(device_mesh)
-        super().__init__(
-            device_mesh=device_mesh,
-            devices=devices,
-            auto_shard_dataset=auto_shard_dataset,
+    def __init__(self, device_mesh=None, devices=None, auto_shard_dataset=True,
+                 batch_dim_name=None):
+        if device_mesh is None:
+            super().__init__(devices=devices, auto_shard_dataset=auto_shard_dataset)
+            self._device_mesh = as_mesh(self._device_mesh)
+            return
+        # On a mesh of several axes, shard data over `batch_dim_name`
+        # ("batch" if the mesh has it, else its first axis) and replicate
+        # the weights over all axes.
+        mesh = as_mesh(device_mesh)
+        names = list(mesh.axis_names)
+        if batch_dim_name is None:
+            batch_dim_name = "batch" if "batch" in names else names[0]
+        if batch_dim_name not in names:
+            raise ValueError(
+                f"batch_dim_name {batch_dim_name!r} is not an axis of {mesh!r}."
+            )
+        _KerasDistribution.__init__(
+            self, mesh, batch_dim_name, auto_shard_dataset
         )
-        self._device_mesh = as_mesh(self._device_mesh)
+
+    @property
+    def num_model_replicas(self):
+        return self.device_mesh.dim_size(self.batch_dim_name)
 
 
 class ModelParallel(_Resolving, keras_distribution.ModelParallel):
@@ -178,11 +194,7 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
 
 def replicated_on(mesh):
     """A `DataParallel` on `mesh`: what `mesh=` arguments create state with."""
-    mesh = as_mesh(mesh)
-    names = list(mesh.axis_names)
-    dist = DataParallel(device_mesh=mesh)
-    dist._batch_dim_name = "batch" if "batch" in names else names[0]
-    return dist
+    return DataParallel(device_mesh=mesh)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,234 @@
+"""Weights and tensors really placed on the mesh, read back from the backend."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_layoutmap as klm
+
+pytestmark = pytest.mark.sharding
+
+
+@pytest.fixture
+def mesh():
+    return klm.create_mesh([("batch", 4), ("model", 2)])
+
+
+def shard_shapes(x):
+    return [tuple(s.shape) for s in klm.unpack(x)]
+
+
+class Tutorial(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.feature = keras.layers.Dense(16)
+        self.feature_2 = keras.layers.Dense(24)
+        self.dropout = keras.layers.Dropout(0.1)
+
+    def call(self, x, training=None):
+        return self.feature_2(self.dropout(self.feature(x), training=training))
+
+
+def tutorial_map(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm["feature.*kernel"] = klm.Layout.batch_sharded(mesh, "batch", rank=2)
+    lm["feature.*bias"] = klm.Layout.batch_sharded(mesh, "batch", rank=1)
+    return lm
+
+
+@pytest.mark.parametrize("build_inside", [True, False])
+def test_subclassed_scope(mesh, build_inside):
+    lm = tutorial_map(mesh)
+    with lm.scope():
+        model = Tutorial()
+        if build_inside:
+            model(np.zeros((8, 16), "float32"))
+    if not build_inside:
+        model(np.zeros((8, 16), "float32"))
+    for layer in (model.feature, model.feature_2):
+        assert klm.fetch_layout(layer.kernel) == klm.Layout(["batch", None], mesh)
+        assert klm.fetch_layout(layer.bias) == klm.Layout(["batch"], mesh)
+    assert shard_shapes(model.feature.kernel) == [(4, 16)] * 8
+    assert shard_shapes(model.feature_2.bias) == [(6,)] * 8
+
+
+def test_functional_and_sequential_scope(mesh):
+    lm = tutorial_map(mesh)
+    with lm.scope():
+        inputs = keras.Input((16,))
+        x = keras.layers.Dense(16, name="feature")(inputs)
+        x = keras.layers.Dropout(0.1)(x)
+        functional = keras.Model(inputs, keras.layers.Dense(32, name="feature_2")(x))
+        sequential = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(16, name="feature"),
+            keras.layers.Dropout(0.1),
+            keras.layers.Dense(32, name="feature_2"),
+        ])
+    for model in (functional, sequential):
+        kernel = model.get_layer("feature_2").kernel
+        assert klm.fetch_layout(kernel) == klm.Layout(["batch", None], mesh)
+        assert shard_shapes(kernel) == [(4, 32)] * 8
+
+
+def test_rules_on_variable_path_and_unmatched_replicated(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm[r"seq/dense_a/kernel"] = (None, "model")
+    with lm.scope():
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(4, name="dense_a"),
+                                  keras.layers.Dense(4, name="dense_b")], name="seq")
+    assert klm.fetch_layout(model.layers[0].kernel).axes == (None, "model")
+    assert klm.fetch_layout(model.layers[1].kernel).axes == (None, None)
+    assert klm.fetch_layout(model.layers[1].kernel).mesh == mesh
+    assert shard_shapes(model.layers[1].kernel) == [(4, 4)] * 8
+
+
+def test_layer_kwargs_place_weights_without_scope(mesh):
+    dense = keras.layers.Dense(
+        8, kernel_layout=klm.Layout([None, "model"], mesh),
+        bias_layout=klm.Layout(["model"], mesh))
+    dense.build((2, 4))
+    assert klm.fetch_layout(dense.kernel).axes == (None, "model")
+    assert shard_shapes(dense.kernel) == [(4, 4)] * 8
+    assert shard_shapes(dense.bias) == [(4,)] * 8
+
+
+def test_kwarg_beats_rule_and_is_validated(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm[".*kernel"] = ("model", None)
+    with lm.scope():
+        dense = keras.layers.Dense(8, kernel_layout=(None, "model"))
+        dense.build((2, 4))
+        bad = keras.layers.Dense(3, kernel_layout=(None, "model"), name="bad")
+        with pytest.raises(ValueError, match=r"bad\.kernel.*size 3.*'model'"):
+            bad.build((2, 4))
+    assert klm.fetch_layout(dense.kernel).axes == (None, "model")
+    assert not bad.weights
+
+
+@pytest.mark.parametrize(
+    "rule, match",
+    [(("model",), r"d1\.kernel.*shape \(4, 6\) \(rank 2\).*rule 'd1\.kernel'.*rank 1"),
+     (("batch", None), r"d1\.kernel.*dimension 0 \(size 4\).*'batch' \(size 4\)"),
+     ((None, "batch"), r"d1\.kernel.*dimension 1 \(size 6\) over mesh axis 'batch' "
+      r"\(size 4\)")],
+)
+def test_bad_rule_raises_before_allocation(mesh, rule, match):
+    lm = klm.LayoutMap(mesh)
+    lm["d1.kernel"] = rule
+    if rule == ("batch", None):  # 4 % 4 == 0: this one fits
+        with lm.scope():
+            model = keras.Sequential([keras.Input((4,)),
+                                      keras.layers.Dense(6, name="d1")])
+        assert klm.fetch_layout(model.layers[0].kernel).axes == ("batch", None)
+        return
+    with lm.scope():
+        layer = keras.layers.Dense(6, name="d1")
+        with pytest.raises(ValueError, match=match):
+            keras.Sequential([keras.Input((4,)), layer])
+    assert not layer.built and not layer.weights
+
+
+def test_fetch_layout_single_device_array():
+    x = keras.ops.ones((3, 2))
+    layout = klm.fetch_layout(x)
+    assert layout.is_fully_replicated() and layout.mesh.size == 1
+
+
+def test_distribute_pack_unpack_copy_to_mesh(mesh):
+    x = np.arange(8 * 6, dtype="float32").reshape(8, 6)
+    layout = klm.Layout(["batch", "model"], mesh)
+    dx = klm.distribute(x, layout)
+    assert klm.fetch_layout(dx) == layout
+    parts = klm.unpack(dx)
+    assert [p.shape for p in parts] == [(2, 3)] * 8
+    np.testing.assert_array_equal(np.asarray(parts[1]), x[0:2, 3:6])
+    np.testing.assert_array_equal(np.asarray(parts[2]), x[2:4, 0:3])
+    packed = klm.pack([np.asarray(p) for p in parts], layout)
+    assert klm.fetch_layout(packed) == layout
+    np.testing.assert_array_equal(np.asarray(packed), x)
+    rep = klm.copy_to_mesh(x, klm.Layout.replicated(mesh, 2))
+    assert [p.shape for p in klm.unpack(rep)] == [(8, 6)] * 8
+    np.testing.assert_array_equal(np.asarray(rep), x)
+
+
+def test_data_errors(mesh):
+    layout = klm.Layout(["batch", None], mesh)
+    with pytest.raises(ValueError, match=r"dimension 0 \(size 6\).*'batch' \(size 4\)"):
+        klm.distribute(np.zeros((6, 2)), layout)
+    with pytest.raises(ValueError, match="one component per local device.*8. "
+                       "Received 3"):
+        klm.pack([np.zeros((2, 2))] * 3, layout)
+    with pytest.raises(ValueError, match="fully replicated"):
+        klm.copy_to_mesh(np.zeros((8, 2)), layout)
+    with pytest.raises(TypeError):
+        klm.fetch_layout(np.zeros(3))
+
+
+def test_spatial_parallel_forward_matches_single_device():
+    mesh = klm.create_mesh([("batch", 4), ("feature", 2)])
+    keras.utils.set_random_seed(1)
+    single = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="d")])
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    expected = keras.ops.convert_to_numpy(single(x))
+    lm = klm.LayoutMap(mesh)
+    lm["d.kernel"] = ("feature", None)
+    with lm.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="d")])
+    model.set_weights(single.get_weights())
+    dx = klm.distribute(x, klm.Layout(["batch", "feature"], mesh))
+    assert [p.shape for p in klm.unpack(dx)] == [(4, 4)] * 8
+    with lm.scope():
+        out = model(dx)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_mesh_and_slot_layouts(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm["d.kernel"] = (None, "model")
+    with lm.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="d")])
+    optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
+    assert isinstance(optimizer, keras.optimizers.Adam)
+    assert klm.fetch_layout(optimizer.iterations).mesh == mesh
+    optimizer.build(model.trainable_variables)
+    kernel = model.layers[0].kernel
+    slots = [v for v in optimizer.variables if kernel.path.replace("/", "_") in v.path]
+    assert len(slots) == 2  # momentum and velocity
+    for slot in slots:
+        assert klm.fetch_layout(slot) == klm.fetch_layout(kernel)
+        assert [s.shape for s in klm.unpack(slot)] == [(4, 4)] * 8
+    grads = [keras.ops.ones(v.shape) for v in model.trainable_variables]
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    assert int(optimizer.iterations.numpy()) == 1
+    assert klm.fetch_layout(kernel).axes == (None, "model")
+
+
+def test_every_optimizer_takes_mesh(mesh):
+    for name in klm.optimizers.__all__:
+        cls = getattr(klm.optimizers, name)
+        if name in ("LossScaleOptimizer", "MultiOptimizer"):
+            continue  # wrappers: they take other optimizers, not a mesh
+        optimizer = cls(mesh=mesh)
+        assert optimizer.mesh == mesh, name
+        assert klm.fetch_layout(optimizer.iterations).mesh == mesh, name
+
+
+def test_metric_mesh(mesh):
+    metric = keras.metrics.SparseCategoricalAccuracy(mesh=mesh)
+    assert klm.metrics.SparseCategoricalAccuracy is keras.metrics.SparseCategoricalAccuracy
+    for variable in metric.variables:
+        assert klm.fetch_layout(variable).mesh == mesh
+    y = klm.distribute(np.array([0, 1, 2, 3] * 2), klm.Layout(["batch"], mesh))
+    logits = klm.distribute(np.eye(8, 4, dtype="float32"), klm.Layout(["batch", None], mesh))
+    metric.update_state(y, logits)
+    # argmax of eye(8, 4): rows 0-3 right, rows 4-7 predict 0 (one right)
+    assert float(metric.result()) == pytest.approx(5 / 8)
+
+    class MyMetric(keras.metrics.Mean):
+        def __init__(self, name="mine"):
+            super().__init__(name=name)
+
+    mine = MyMetric(mesh=mesh)
+    assert all(klm.fetch_layout(v).mesh == mesh for v in mine.variables)
