@@ -144,7 +144,7 @@ def layout_of(model, name):
 
 
 def main():
-    console = Console()
+    console = Console(width=120)
     x, y = make_data()
     runs = {"klm": klm_setup(), "plain": plain_setup()}
 

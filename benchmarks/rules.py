@@ -102,7 +102,7 @@ def naive_rule(rules, object_path, variable_path):
 
 
 def main():
-    console = Console()
+    console = Console(width=120)
     layout_map = make_layout_map()
     rules = list(layout_map)
     console.print(f"LayoutMap: {len(rules)} rules on {layout_map.device_mesh!r}")

@@ -1,0 +1,64 @@
+"""A keras-hub backbone trains model-parallel under its own layout rules."""
+
+import numpy as np
+import pytest
+
+keras_hub = pytest.importorskip(
+    "keras_hub", reason="keras-hub is not installed (the `nlp` extra)")
+
+import keras  # noqa: E402
+
+import keras_layoutmap as klm  # noqa: E402
+
+pytestmark = pytest.mark.sharding
+
+TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                  num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                  head_dim=8)
+
+
+def build_lm():
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  weighted_metrics=["accuracy"])
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(36, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((36, 8), "int32")}
+    return x, tokens[:, 1:]
+
+
+def test_gemma_model_parallel_parity():
+    x, y = data()
+    reference = build_lm()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history  # 36 rows: a short batch of 4
+
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    keras_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    layout_map = klm.LayoutMap.from_keras(keras_map)
+    with layout_map.scope():
+        model = build_lm()
+    report = layout_map.explain(model)
+    sharded = [r for r in report.rows if not r.layout.is_fully_replicated()]
+    assert len(sharded) >= 8  # embeddings, attention and MLP kernels
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4,
+                                   err_msg=key)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    embeddings = model.backbone.token_embedding.embeddings
+    actual = klm.fetch_layout(embeddings)
+    row = next(r for r in report.rows if r.path == embeddings.path)
+    assert actual == row.layout and not actual.is_fully_replicated()
+    shard = klm.unpack(embeddings)[0].shape
+    assert shard == actual.shard_shape(embeddings.shape)

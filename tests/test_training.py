@@ -1,0 +1,224 @@
+"""`model.fit` under data, model and spatial parallelism matches one device."""
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import keras_layoutmap as klm
+
+pytestmark = pytest.mark.sharding
+
+EPOCHS = 3
+BATCH = 128  # 1797 * 0.8 -> 1437 training rows: the last batch holds 29
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = load_digits(return_X_y=True)
+    return (x / 16.0).astype("float32"), y.astype("int32")
+
+
+def build(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(64, activation="relu", name="d1"),
+        keras.layers.Dense(32, activation="relu", name="d2"),
+        keras.layers.Dense(10, name="d3"),
+    ], name="mlp")
+
+
+def compile_(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def train(model, digits, **kwargs):
+    x, y = digits
+    compile_(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, validation_split=0.2,
+                        shuffle=False, verbose=0, **kwargs)
+    return history.history
+
+
+def weights(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def assert_same_weights(a, b):
+    for wa, wb in zip(a, b):
+        np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=2e-6)
+
+
+def assert_same_history(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
+
+
+def model_parallel_map(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    lm[r"d1\.bias"] = ("model",)
+    lm[r"d2\.kernel"] = ("model", None)
+    lm[r"d3\.kernel"] = (None, "model")
+    return lm
+
+
+@pytest.fixture(scope="module")
+def single(digits):
+    model = build()
+    history = train(model, digits)
+    return model, history
+
+
+def test_plain_keras_data_parallel_crashes_on_the_short_batch(digits):
+    """The gap this project closes (keras 3.15.1)."""
+    dist = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+    with dist.scope():
+        model = build()
+        with pytest.raises(Exception, match="should evenly divide"):
+            train(model, digits)
+
+
+def test_data_parallel_matches_single_device(digits, single):
+    mesh = klm.create_mesh([("batch", 8)])
+    with klm.DataParallel(mesh).scope():
+        model = build()
+    history = train(model, digits)  # outside the scope: the model remembers
+    assert_same_history(history, single[1])
+    assert_same_weights(weights(model), weights(single[0]))
+    kernel = model.get_layer("d1").kernel
+    assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
+
+
+def test_model_parallel_matches_single_device(digits, single):
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    lm = model_parallel_map(mesh)
+    with lm.scope():
+        model = build()
+    history = train(model, digits)
+    assert_same_history(history, single[1])
+    assert_same_weights(weights(model), weights(single[0]))
+    # Layouts as JAX holds them after training, weights and optimizer slots.
+    d1 = model.get_layer("d1")
+    assert klm.fetch_layout(d1.kernel) == klm.Layout([None, "model"], mesh)
+    assert [p.shape for p in klm.unpack(d1.kernel)] == [(64, 32)] * 8
+    assert [p.shape for p in klm.unpack(model.get_layer("d2").kernel)] == [(32, 32)] * 8
+    slots = [v for v in model.optimizer.variables if "d1_kernel" in v.path]
+    assert slots and all(klm.fetch_layout(s) == klm.fetch_layout(d1.kernel)
+                         for s in slots)
+    # evaluate and predict outside the scope, every sample exactly once.
+    x, y = digits
+    expected = single[0].predict(x, batch_size=BATCH, verbose=0)
+    got = model.predict(x, batch_size=BATCH, verbose=0)
+    assert got.shape == (1797, 10)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    ev = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    ev_single = single[0].evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(ev["loss"], ev_single["loss"], rtol=1e-5)
+    assert ev["accuracy"] == pytest.approx(ev_single["accuracy"], abs=1e-7)
+
+
+def test_short_batch_loss_and_gradients_exact(digits):
+    """A 29-row batch on an 8-way batch axis: one step, compared directly."""
+    x, y = digits[0][:29], digits[1][:29]
+    reference = compile_(build())
+    ref_logs = reference.train_on_batch(x, y, return_dict=True)
+    mesh = klm.create_mesh([("batch", 8)])
+    with klm.DataParallel(mesh).scope():
+        model = compile_(build())
+    logs = model.train_on_batch(x, y, return_dict=True)
+    for key in ref_logs:
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-6)
+    assert_same_weights(weights(model), weights(reference))
+
+
+def test_weights_move_between_meshes_and_no_distribution(tmp_path, digits, single):
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    with model_parallel_map(mesh).scope():
+        model = build(seed=1)
+    model.set_weights(single[0].get_weights())
+    path = str(tmp_path / "mp.weights.h5")
+    model.save_weights(path)
+    # Another mesh, another layout.
+    other = klm.create_mesh([("batch", 2), ("model", 4)])
+    lm = klm.LayoutMap(other)
+    lm[r"d.\.kernel"] = ("model", None)
+    with lm.scope():
+        moved = build(seed=2)
+    moved.load_weights(path)
+    assert klm.fetch_layout(moved.get_layer("d1").kernel) == klm.Layout(
+        ["model", None], other)
+    plain = build(seed=3)
+    plain.load_weights(path)
+    x = digits[0][:64]
+    expected = single[0].predict(x, verbose=0)
+    for m in (moved, plain):
+        np.testing.assert_allclose(m.predict(x, verbose=0), expected, rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_layer_kwargs_model_trains_with_fit(digits, single):
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(64, activation="relu", name="d1",
+                           kernel_layout=klm.Layout([None, "model"], mesh),
+                           bias_layout=klm.Layout(["model"], mesh)),
+        keras.layers.Dense(32, activation="relu", name="d2"),
+        keras.layers.Dense(10, name="d3"),
+    ], name="mlp")
+    history = train(model, digits)
+    assert_same_history(history, single[1])
+    assert_same_weights(weights(model), weights(single[0]))
+    assert klm.fetch_layout(model.get_layer("d2").kernel).mesh == mesh
+
+
+def test_custom_training_loop_with_pack(digits):
+    """The DTensor tutorial's loop: packed inputs, mesh-aware optimizer and
+    metric, outside any scope."""
+    import jax
+
+    mesh = klm.create_mesh([("batch", 8)])
+    x, y = digits[0][:512], digits[1][:512]
+    image_layout = klm.Layout.batch_sharded(mesh, "batch", rank=2)
+    label_layout = klm.Layout.batch_sharded(mesh, "batch", rank=1)
+
+    def run(model, optimizer, metric, pack):
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        optimizer.build(model.trainable_variables)
+
+        def loss_and_logits(tv, ntv, xb, yb):
+            logits, ntv = model.stateless_call(tv, ntv, xb, training=True)
+            return loss_fn(yb, logits), (logits, ntv)
+
+        grad_fn = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))
+        tv = [v.value for v in model.trainable_variables]
+        ntv = [v.value for v in model.non_trainable_variables]
+        ov = [v.value for v in optimizer.variables]
+        for start in range(0, len(x), 128):
+            xb, yb = x[start:start + 128], y[start:start + 128]
+            if pack:
+                xb = klm.pack(np.split(xb, 8), image_layout)
+                yb = klm.pack(np.split(yb, 8), label_layout)
+            (_, (logits, ntv)), grads = grad_fn(tv, ntv, xb, yb)
+            tv, ov = optimizer.stateless_apply(ov, grads, tv)
+            metric.update_state(yb, logits)
+        for v, value in zip(model.trainable_variables, tv):
+            v.assign(value)
+        return float(metric.result())
+
+    reference = run(build(), keras.optimizers.Adam(0.01),
+                    keras.metrics.SparseCategoricalAccuracy(), pack=False)
+    with klm.DataParallel(mesh).scope():
+        model = build()
+    accuracy = run(model, klm.optimizers.Adam(0.01, mesh=mesh),
+                   keras.metrics.SparseCategoricalAccuracy(mesh=mesh), pack=True)
+    assert accuracy == pytest.approx(reference, abs=1e-6)
