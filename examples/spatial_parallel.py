@@ -74,7 +74,8 @@ def main():
     print("device 1 holds examples 0-15, pixels 32-63")
 
     outputs = model(sharded_x)
-    print(f"output  {tuple(outputs.shape)}: per-device shards "
+    print(f"output  {tuple(outputs.shape)} "
+          f"{klm.fetch_layout(outputs).sharding_specs}: per-device shards "
           f"{shard_shapes(outputs)}")
 
     try:

@@ -6,9 +6,9 @@ Importing it teaches stock Keras layers `<weight>_layout=` kwargs, metrics
 
 from keras_layoutmap import backends as _backends
 from keras_layoutmap import layer_kwargs as _layer_kwargs
+from keras_layoutmap import metrics, optimizers
 from keras_layoutmap import metrics as _metrics
 from keras_layoutmap import trainer as _trainer
-from keras_layoutmap import metrics, optimizers
 from keras_layoutmap.data import copy_to_mesh, distribute, fetch_layout, pack, unpack
 from keras_layoutmap.distributions import (
     DataParallel,
@@ -19,7 +19,12 @@ from keras_layoutmap.distributions import (
 from keras_layoutmap.explain import Report, WeightRow
 from keras_layoutmap.layout import UNSHARDED, Layout
 from keras_layoutmap.layout_map import LayoutMap
-from keras_layoutmap.mesh import Mesh, configure_virtual_devices, create_mesh, list_devices
+from keras_layoutmap.mesh import (
+    Mesh,
+    configure_virtual_devices,
+    create_mesh,
+    list_devices,
+)
 
 __version__ = "0.1.0"
 

@@ -217,11 +217,13 @@ def test_every_optimizer_takes_mesh(mesh):
 
 def test_metric_mesh(mesh):
     metric = keras.metrics.SparseCategoricalAccuracy(mesh=mesh)
-    assert klm.metrics.SparseCategoricalAccuracy is keras.metrics.SparseCategoricalAccuracy
+    assert klm.metrics.SparseCategoricalAccuracy is (
+        keras.metrics.SparseCategoricalAccuracy)
     for variable in metric.variables:
         assert klm.fetch_layout(variable).mesh == mesh
     y = klm.distribute(np.array([0, 1, 2, 3] * 2), klm.Layout(["batch"], mesh))
-    logits = klm.distribute(np.eye(8, 4, dtype="float32"), klm.Layout(["batch", None], mesh))
+    logits = klm.distribute(np.eye(8, 4, dtype="float32"),
+                            klm.Layout(["batch", None], mesh))
     metric.update_state(y, logits)
     # argmax of eye(8, 4): rows 0-3 right, rows 4-7 predict 0 (one right)
     assert float(metric.result()) == pytest.approx(5 / 8)
