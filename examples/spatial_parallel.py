@@ -83,7 +83,9 @@ def main():
             keras.ops.convert_to_numpy(outputs), expected, rtol=1e-5, atol=1e-6
         )
     except AssertionError as e:
-        raise SystemExit(f"FAILED: spatial-parallel forward pass differs:\n{e}")
+        raise SystemExit(
+            f"FAILED: spatial-parallel forward pass differs:\n{e}"
+        ) from None
     error = np.max(np.abs(keras.ops.convert_to_numpy(outputs) - expected))
     print(f"spatial-parallel forward pass matches the single-device one "
           f"(max abs difference {error:.2e})")

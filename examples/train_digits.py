@@ -11,9 +11,10 @@ unchanged on a machine that has them.
 
 Both runs use `batch_size=128` and `validation_split=0.2`: Keras trains on
 the first 1,437 samples, so the last training batch of every epoch has 29
-samples, which do not divide over the batch axis. Stock `keras.distribution.DataParallel` fails on
-such a batch (pass `--show-keras-failure` to see it); the `klm`
-distributions compute it whole on every device instead.
+samples, which do not divide over the batch axis. Stock
+`keras.distribution.DataParallel` fails on such a batch (pass
+`--show-keras-failure` to see it); the `klm` distributions compute it whole
+on every device instead.
 
 Run: `KERAS_BACKEND=jax python examples/train_digits.py [--epochs N]`.
 The script exits non-zero if either run ends below 90% validation accuracy.
@@ -135,9 +136,10 @@ def show_keras_failure(x, y):
         try:
             model.fit(x, y, batch_size=BATCH_SIZE, epochs=1,
                       validation_split=VALIDATION_SPLIT, verbose=0)
-        except Exception as e:  # noqa: BLE001 - we want to show whatever it is
+        except Exception as e:  # show whatever it raises
+            message = " ".join(str(e).split())
             print(f"\nkeras.distribution.DataParallel: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200]}")
+                  f"{message[:220]}...")
         else:
             print("\nkeras.distribution.DataParallel handled the short batch.")
 

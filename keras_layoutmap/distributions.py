@@ -8,7 +8,7 @@ import contextvars
 from keras import distribution as keras_distribution
 from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
-from keras_layoutmap import paths
+from keras_layoutmap import backends, paths
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.layout_map import LayoutMap
 from keras_layoutmap.mesh import as_mesh
@@ -65,6 +65,17 @@ class _Resolving:
     replicated; and a data layout that survives a short final batch."""
 
     layout_map = None
+
+    def scope(self):
+        """Make this distribution current (a context manager).
+
+        On a backend that cannot place tensors yet, only a one-device mesh
+        (where there is nothing to place) is accepted.
+        """
+        backend = backends.get()
+        if not backend.SHARDING and self.device_mesh.size > 1:
+            raise NotImplementedError(backend.NOT_BUILT)
+        return super().scope()
 
     def resolve_variable(self, variable):
         """`(source, layout)` for a variable about to be created."""

@@ -53,7 +53,19 @@ def children(layer):
             if not isinstance(child, keras_layers.InputLayer):
                 yield child.name, child
         return
-    for attr, value in list(vars(layer).items()):
+    seen = set()
+    for key, child in _attribute_children(vars(layer)):
+        if id(child) not in seen:
+            seen.add(id(child))
+            yield key, child
+
+
+def _attribute_children(attributes):
+    for attr, value in list(attributes.items()):
+        if attr == "_modules" and isinstance(value, dict):
+            # torch.nn.Module keeps sublayer attributes here, not in vars().
+            yield from _attribute_children(value)
+            continue
         if attr in _SKIPPED_ATTRIBUTES or attr.startswith("_self_"):
             continue  # Keras' own tracking (and tf.Module's on TensorFlow)
         if isinstance(value, keras_layers.Layer):

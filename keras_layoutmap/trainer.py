@@ -42,11 +42,13 @@ def model_distribution(model):
 
 def place_on_mesh(model, dist):
     """Give every model variable that has no layout one from `dist`."""
+    backend = backends.get()
+    if not backend.SHARDING:
+        return  # only one-device meshes get here: nothing to place
     variables = list(model.variables) + list(model.metrics_variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         variables += list(optimizer.variables)
-    backend = backends.get()
     for variable in {id(v): v for v in variables}.values():
         if getattr(variable, "_layout", None) is None:
             backend.relayout_variable(variable, dist.get_variable_layout(variable))

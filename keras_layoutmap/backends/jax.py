@@ -5,6 +5,7 @@ import numpy as np
 from keras.src.backend.jax import trainer as keras_jax_trainer
 
 SHARDING = True
+NOT_BUILT = None
 
 
 def configure_virtual_devices(n):

@@ -3,11 +3,12 @@ tensors and variables is tracked in the TensorFlow DTensor issue."""
 
 import tensorflow as tf
 
-from keras_layoutmap.backends._unsupported import not_built
+from keras_layoutmap.backends._unsupported import not_built, not_built_message
 
 SHARDING = False
 
-_unbuilt = not_built("tensorflow", "DTensor backend issue")
+NOT_BUILT = not_built_message("tensorflow", "the TensorFlow DTensor backend issue")
+_unbuilt = not_built(NOT_BUILT)
 fetch_layout = distribute = pack = unpack = relayout_variable = _unbuilt
 
 

@@ -3,11 +3,12 @@ tensors and variables on it is not built yet."""
 
 import os
 
-from keras_layoutmap.backends._unsupported import not_built
+from keras_layoutmap.backends._unsupported import not_built, not_built_message
 
 SHARDING = False
 
-_unbuilt = not_built("torch", "torch DTensor backend, not yet filed")
+NOT_BUILT = not_built_message("torch", "the torch backend, not yet filed")
+_unbuilt = not_built(NOT_BUILT)
 fetch_layout = distribute = pack = unpack = relayout_variable = _unbuilt
 
 

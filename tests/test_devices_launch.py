@@ -1,0 +1,70 @@
+"""Devices and the process launcher (backend-neutral)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_layoutmap as klm
+from keras_layoutmap import backends
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, "8", True])
+def test_configure_virtual_devices_rejects_bad_counts(n):
+    with pytest.raises(ValueError, match="positive integer"):
+        klm.configure_virtual_devices(n)
+
+
+@pytest.mark.skipif(backends.name() != "torch",
+                    reason="torch meshes span processes; JAX and TF make "
+                    "devices in-process")
+def test_torch_outside_launcher_says_how_to_launch():
+    with pytest.raises(RuntimeError, match=r"python -m keras_layoutmap.launch -n 8"):
+        klm.configure_virtual_devices(8)
+
+
+def test_list_devices_names_devices():
+    devices = klm.list_devices()
+    assert devices and all(":" in d for d in devices)
+
+
+def test_launch_starts_one_process_per_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    script.write_text(
+        "import os, pathlib, sys\n"
+        f"pathlib.Path({str(out)!r}, os.environ['RANK']).write_text("
+        "os.environ['WORLD_SIZE'] + ' ' + os.environ['MASTER_ADDR'] + ' ' + "
+        "sys.argv[1])\n"
+    )
+    code = subprocess.call([sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                            "3", str(script), "hello"])
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["0", "1", "2"]
+    assert (out / "2").read_text() == "3 127.0.0.1 hello"
+
+
+def test_launch_returns_first_failure(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    code = subprocess.call([sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                            "2", str(script)])
+    assert code == 3
+
+
+@pytest.mark.skipif(backends.get().SHARDING,
+                    reason="this backend places tensors on a mesh")
+def test_unbuilt_backend_refuses_to_shard_clearly():
+    mesh = klm.create_mesh([("batch", 2)], devices=["cpu:0", "cpu:1"])
+    layout_map = klm.LayoutMap(mesh)
+    with pytest.raises(NotImplementedError, match="not built yet.*KERAS_BACKEND=jax"):
+        with layout_map.scope():
+            pass
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        klm.distribute(np.ones(2), klm.Layout([None], mesh))
+    one = klm.LayoutMap(klm.create_mesh([("batch", 1)], devices=["cpu:0"]))
+    with one.scope():  # one device: nothing to place, so it is allowed
+        pass
