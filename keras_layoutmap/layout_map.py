@@ -10,39 +10,91 @@ from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.mesh import Mesh, as_mesh
 
 
+try:  # the regex parser, to read a rule's literal prefix
+    from re import _parser as _regex_parser
+except ImportError:  # Python 3.10
+    import sre_parse as _regex_parser
+
+
+def literal_prefix(rule):
+    """The literal text every key `rule` fullmatches must start with.
+
+    `"block_3\\.mlp\\..*"` gives `"block_3.mlp."`; a rule that starts with
+    anything but literal characters (or sets flags such as `(?i)`) gives "".
+    """
+    try:
+        parsed = _regex_parser.parse(rule)
+    except Exception:
+        return ""
+    if parsed.state.flags & (re.IGNORECASE | re.VERBOSE):
+        return ""
+    prefix = []
+    for op, value in parsed:
+        if op is not _regex_parser.LITERAL:
+            break
+        prefix.append(chr(value))
+    return "".join(prefix)
+
+
 class _Matcher:
     """First-rule-wins matching of many regexes against a key.
 
-    All rules are joined into one alternation of named groups, so a key is
-    scanned once rather than once per rule: for `fullmatch`, Python's regex
-    engine tries the branches in order, so the branch that matches is the
-    first rule, in insertion order, that matches the whole key. Rules that
-    cannot be joined (numbered back-references, clashing group names) fall
-    back to one `fullmatch` per rule.
+    A key is tried only against the rules that can match it: those without a
+    literal prefix, and those whose literal prefix the key starts with (found
+    with one dict look-up per distinct prefix length). The candidates are
+    joined into one alternation of named groups, compiled once per distinct
+    candidate set: for `fullmatch`, Python's regex engine tries the branches
+    in order, so the branch that matches is the first rule, in insertion
+    order, that matches the whole key. Rules that cannot be joined (numbered
+    back-references, clashing group names) are tried one by one.
     """
 
     def __init__(self, rules):
         self.rules = list(rules)
-        self.combined = None
-        joinable = not any(re.search(r"\\\d|\(\?P=", r) for r in self.rules)
-        if self.rules and joinable:
+        self.compiled = [re.compile(r) for r in self.rules]
+        self.broad = []
+        self.by_length = {}  # prefix length -> {prefix: [rule index, ...]}
+        for i, rule in enumerate(self.rules):
+            prefix = literal_prefix(rule)
+            if prefix:
+                table = self.by_length.setdefault(len(prefix), {})
+                table.setdefault(prefix, []).append(i)
+            else:
+                self.broad.append(i)
+        self.joinable = not any(re.search(r"\\\d|\(\?P=", r) for r in self.rules)
+        self._joined = {}
+
+    def _candidates(self, key):
+        found = list(self.broad)
+        for length, table in self.by_length.items():
+            hit = table.get(key[:length])
+            if hit:
+                found.extend(hit)
+        return tuple(sorted(found))
+
+    def _join(self, candidates):
+        if self.joinable:
             try:
-                self.combined = re.compile(
-                    "|".join(
-                        f"(?P<_klm{i}>{rule})" for i, rule in enumerate(self.rules)
-                    )
+                return re.compile(
+                    "|".join(f"(?P<_klm{i}>{self.rules[i]})" for i in candidates)
                 )
             except re.error:
-                self.combined = None
-        self.compiled = [re.compile(r) for r in self.rules]
+                pass
+        return None
 
     def first(self, key):
         """Index of the first rule that fullmatches `key`, or None."""
-        if self.combined is not None:
-            m = self.combined.fullmatch(key)
+        candidates = self._candidates(key)
+        if not candidates:
+            return None
+        if candidates not in self._joined:
+            self._joined[candidates] = self._join(candidates)
+        joined = self._joined[candidates]
+        if joined is not None:
+            m = joined.fullmatch(key)
             return None if m is None else int(m.lastgroup[4:])
-        for i, pattern in enumerate(self.compiled):
-            if pattern.fullmatch(key):
+        for i in candidates:
+            if self.compiled[i].fullmatch(key):
                 return i
         return None
 

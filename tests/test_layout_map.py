@@ -207,3 +207,20 @@ def test_from_keras_layout_map(mesh_2d):
     lm = klm.LayoutMap.from_keras(keras_map)
     assert list(lm) == list(keras_map)
     assert lm["token_embedding/embeddings"].axes == ("model", None)
+
+
+def test_matcher_agrees_with_a_naive_first_match_loop():
+    import re
+
+    from keras_layoutmap.layout_map import _Matcher
+
+    rules = [r"block_1\.mlp\..*", r"(?i)BLOCK_2\..*kernel", r"ab*c", r"abc|xyz",
+             r"block_1\.mlp\.w1\.kernel", r"(x)\1", r"model/block_\d+/.*bias",
+             r"block_.*attention.*", r"block_3.*", r".*kernel", r"d1"]
+    keys = ["block_1.mlp.w1.kernel", "block_2.attention.kernel", "ac", "abbbc",
+            "xyz", "abc", "xx", "model/block_7/mlp/bias", "block_3.norm.gamma",
+            "d1", "d1.kernel", "nothing", "block_10.attention.query.kernel"]
+    matcher = _Matcher(rules)
+    for key in keys:
+        naive = next((i for i, r in enumerate(rules) if re.fullmatch(r, key)), None)
+        assert matcher.first(key) == naive, key
