@@ -15,7 +15,8 @@ TORCH = "torch==2.13.0"  # the CPU build; a looser pin pulls CUDA wheels
 # keras-hub's declared dependencies pull full TensorFlow through
 # tensorflow-text; the backbones we build from a config need none of it.
 KERAS_HUB = ["keras-hub>=0.32", "--no-deps"]
-KERAS_HUB_DEPS = ["regex", "absl-py", "packaging", "kagglehub", "sentencepiece"]
+KERAS_HUB_DEPS = [
+    "regex", "absl-py", "packaging", "kagglehub", "sentencepiece", "tokenizers"]
 
 
 def _pytest(session, backend, *args):

@@ -9,7 +9,6 @@ from keras import distribution as keras_distribution
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.mesh import Mesh, as_mesh
 
-
 try:  # the regex parser, to read a rule's literal prefix
     from re import _parser as _regex_parser
 except ImportError:  # Python 3.10

@@ -1,14 +1,10 @@
 """A keras-hub backbone trains model-parallel under its own layout rules."""
 
+import keras
 import numpy as np
 import pytest
 
-keras_hub = pytest.importorskip(
-    "keras_hub", reason="keras-hub is not installed (the `nlp` extra)")
-
-import keras  # noqa: E402
-
-import keras_layoutmap as klm  # noqa: E402
+import keras_layoutmap as klm
 
 pytestmark = pytest.mark.sharding
 
@@ -18,6 +14,8 @@ TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
 
 
 def build_lm():
+    import keras_hub  # the `nlp` extra; tests-jax installs it
+
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
     model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
@@ -39,6 +37,8 @@ def test_gemma_model_parallel_parity():
     reference = build_lm()
     ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
                                 verbose=0).history  # 36 rows: a short batch of 4
+
+    import keras_hub
 
     mesh = klm.create_mesh([("batch", 4), ("model", 2)])
     keras_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
