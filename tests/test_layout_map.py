@@ -109,12 +109,14 @@ def test_axis_not_in_mesh(mesh_2d):
     with pytest.raises(ValueError, match=r"'feature' is not in the mesh.*"
                        r"'batch': 4, 'model': 2"):
         lm["w"] = (None, "feature")
+    assert len(lm) == 0
 
 
 def test_axis_used_twice(mesh_2d):
     lm = klm.LayoutMap(mesh_2d)
     with pytest.raises(ValueError, match="'model' is used for more than one"):
         lm["w"] = ("model", "model")
+    assert len(lm) == 0
 
 
 def test_layout_on_another_mesh(mesh_2d):
@@ -122,6 +124,7 @@ def test_layout_on_another_mesh(mesh_2d):
     other = fake_mesh([("batch", 2), ("model", 4)])
     with pytest.raises(ValueError, match=r"Rule 'w'.*Mesh\(batch=2, model=4\)"):
         lm["w"] = klm.Layout(["model"], other)
+    assert len(lm) == 0
 
 
 def test_rank_mismatch_names_rule_path_and_sizes(layout_map):

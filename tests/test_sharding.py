@@ -234,3 +234,37 @@ def test_metric_mesh(mesh):
 
     mine = MyMetric(mesh=mesh)
     assert all(klm.fetch_layout(v).mesh == mesh for v in mine.variables)
+
+
+def test_layout_kwargs_place_weights_of_stock_layers(mesh):
+    """kwargs on layers whose weights are not `kernel`/`bias`, and on
+    composite layers (MultiHeadAttention passes them to its sublayers)."""
+    model_axis = klm.Layout([None, "model"], mesh)
+    cases = [
+        (keras.layers.Embedding(16, 8, embeddings_layout=model_axis), (2, 3),
+         {"embeddings": (None, "model")}),
+        (keras.layers.Conv2D(4, 3, kernel_layout=(None, None, None, "model"),
+                             bias_layout=("model",)), (2, 6, 6, 3),
+         {"kernel": (None, None, None, "model"), "bias": ("model",)}),
+        (keras.layers.BatchNormalization(gamma_layout=("model",),
+                                         moving_mean_layout=("model",)), (2, 8),
+         {"gamma": ("model",), "moving_mean": ("model",), "beta": (None,)}),
+        (keras.layers.LayerNormalization(beta_layout=("model",)), (2, 8),
+         {"beta": ("model",)}),
+        (keras.layers.EinsumDense("ab,bc->ac", output_shape=8,
+                                  kernel_layout=model_axis), (2, 4),
+         {"kernel": (None, "model")}),
+        (keras.layers.MultiHeadAttention(2, 4, kernel_layout=(None, "model", None)),
+         None, {"kernel": (None, "model", None)}),
+    ]
+    with klm.DataParallel(mesh).scope():
+        for layer, shape, expected in cases:
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                q = np.zeros((2, 3, 8), "float32")
+                layer(q, q)
+            else:
+                layer.build(shape)
+            for variable in layer.weights:
+                if variable.name in expected:
+                    want = expected[variable.name]
+                    assert klm.fetch_layout(variable).axes == want, variable.path
