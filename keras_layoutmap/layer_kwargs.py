@@ -132,6 +132,16 @@ def _wrap_post_build(original):
     return _post_build
 
 
+def _wrap_setattr(original):
+    @functools.wraps(original)
+    def __setattr__(self, name, value):
+        original(self, name, value)
+        if isinstance(value, (keras_layers.Layer, list, tuple, dict)):
+            paths.touched(self)
+
+    return __setattr__
+
+
 _INSTALLED = False
 
 
@@ -145,4 +155,5 @@ def install():
     Layer.get_config = _wrap_get_config(Layer.get_config)
     Layer.add_weight = _wrap_add_weight(Layer.add_weight)
     Layer._post_build = _wrap_post_build(Layer._post_build)
+    Layer.__setattr__ = _wrap_setattr(Layer.__setattr__)
     _INSTALLED = True

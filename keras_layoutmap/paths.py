@@ -10,8 +10,10 @@ A weight has two names a rule can match:
 
 `object_paths(model)` walks a model top-down. `object_path(layer, name)`
 answers the same question bottom-up while a weight is being created, when the
-model that will own the layer may not exist yet; it uses a registry of live
-layers (weak references only) to find each layer's parent.
+model that will own the layer may not exist yet: it follows child -> parent
+links, found by scanning only the layers that are new or were given a
+layer-holding attribute since the last scan (so building a model stays
+linear in its size).
 """
 
 import weakref
@@ -20,21 +22,26 @@ from keras import layers as keras_layers
 from keras import models as keras_models
 from keras.src.models.functional import Functional
 
-# Every live layer, so that a layer's parent can be found while it builds.
-_LIVE_LAYERS = weakref.WeakSet()
+# Child -> parent links, found by scanning layers that may have gained
+# children since the last scan (new layers, and layers that were given a
+# layer-holding attribute). Weak references only.
 _parents = {}  # id(child) -> (weakref(child), weakref(parent), key)
-_registered = 0  # layers registered so far
-_parents_built_at = -1  # `_registered` when `_parents` was last built
+_to_scan = {}  # id(layer) -> weakref(layer); ids, as a half-built layer
+# may not be hashable yet
+
 
 _SKIPPED_ATTRIBUTES = {"_layers", "_tracker", "_inbound_nodes",
                        "_outbound_nodes", "_operations", "_self_setattr_tracking"}
 
 
 def register(layer):
-    """Record a new layer so that it can later be found as a parent."""
-    global _registered
-    _LIVE_LAYERS.add(layer)
-    _registered += 1
+    """Record a new layer: it may be the parent of layers made before it."""
+    _to_scan[id(layer)] = weakref.ref(layer)
+
+
+def touched(layer):
+    """Record that `layer` was given an attribute that may hold layers."""
+    _to_scan[id(layer)] = weakref.ref(layer)
 
 
 def _is_graph_model(layer):
@@ -109,15 +116,23 @@ def object_paths(model, with_owner=False):
     return paths
 
 
-def _rebuild_parents():
-    global _parents_built_at
-    _parents.clear()
-    for parent in list(_LIVE_LAYERS):
-        for key, child in children(parent):
-            _parents.setdefault(
-                id(child), (weakref.ref(child), weakref.ref(parent), key)
-            )
-    _parents_built_at = _registered
+def _scan():
+    parents = [ref() for ref in _to_scan.values()]
+    _to_scan.clear()
+    for parent in filter(None, parents):
+        try:
+            found = list(children(parent))
+        except AttributeError:
+            # A model still inside its constructor (e.g. a Functional whose
+            # graph is not set yet): look again at the next scan.
+            _to_scan[id(parent)] = weakref.ref(parent)
+            continue
+        for key, child in found:
+            entry = _parents.get(id(child))
+            if entry is None or entry[0]() is not child:
+                _parents[id(child)] = (
+                    weakref.ref(child), weakref.ref(parent), key
+                )
 
 
 def _lookup(layer):
@@ -131,8 +146,8 @@ def _lookup(layer):
 def _parent_of(layer):
     """`(parent, key)` of `layer`, or `(None, None)` for a root."""
     parent, key = _lookup(layer)
-    if parent is None and _parents_built_at != _registered:
-        _rebuild_parents()
+    if parent is None and _to_scan:
+        _scan()
         parent, key = _lookup(layer)
     return parent, key
 

@@ -14,14 +14,23 @@ TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
 
 
 def build_lm():
+    """A causal LM head on the backbone, as a plain Functional model (the
+    keras-hub task class would need a data loader for its preprocessing)."""
     import keras_hub  # the `nlp` extra; tests-jax installs it
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    inputs = {
+        "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+        "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
+    }
+    hidden = backbone(inputs)
+    logits = backbone.token_embedding(hidden, reverse=True)
+    model = keras.Model(inputs, logits, name="gemma_lm")
+    model.backbone = backbone
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  weighted_metrics=["accuracy"])
+                  metrics=["accuracy"])
     return model
 
 

@@ -120,3 +120,33 @@ def test_explain_reports_bad_rule_for_weight(mesh_2d):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d1")])
     with pytest.raises(ValueError, match=r"d1.kernel.*size 3.*'batch' \(size 4\)"):
         lm.explain(model)
+
+
+def test_parent_links_survive_layers_added_after_construction():
+    """Children attached in `build` or appended later are still found."""
+
+    class Late(keras.layers.Layer):
+        def build(self, shape):
+            self.inner = keras.layers.Dense(2)
+            self.inner.build(shape)
+
+        def call(self, x):
+            return self.inner(x)
+
+    class Holder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.blocks = []
+            for _ in range(2):
+                self.blocks.append(Late())
+
+        def call(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Holder()
+    model(keras.ops.zeros((1, 2)))
+    inner = model.blocks[1].inner
+    assert paths.object_path(inner, "kernel") == "blocks.1.inner.kernel"
+    assert paths.object_paths(model)[id(inner.kernel)] == "blocks.1.inner.kernel"
