@@ -60,6 +60,27 @@ def weight_keys(variable):
     return paths.object_path(layer, variable.name), variable.path
 
 
+def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh):
+    """`(source, layout)` for weight `name` of layer `owner`.
+
+    A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
+    then the first matching rule of `layout_map`; else replicated on `mesh`.
+    `source` names the kwarg or the rule (None for the default). Raises
+    `ValueError` if the chosen layout cannot hold a tensor of `shape`.
+    """
+    if owner is not None:
+        source, layout = _kwarg_layout(owner, name)
+        if layout is not None:
+            layout = as_layout(layout, mesh, where=source)
+            check_fits(layout, shape, object_path or path, source)
+            return source, layout
+    if layout_map is not None:
+        rule, layout = layout_map.resolve(shape, object_path, path)
+        if layout is not None:
+            return rule, layout
+    return None, Layout.replicated(mesh, len(shape))
+
+
 class _Resolving:
     """What `klm` distributions share: layouts from kwargs, then rules, then
     replicated; and a data layout that survives a short final batch."""
@@ -80,19 +101,16 @@ class _Resolving:
     def resolve_variable(self, variable):
         """`(source, layout)` for a variable about to be created."""
         object_path, path = weight_keys(variable)
-        shape = tuple(variable.shape)
         creating = _CREATING.get()
-        if creating is not None:
-            source, layout = _kwarg_layout(creating[0], variable.name)
-            if layout is not None:
-                layout = as_layout(layout, self.device_mesh, where=source)
-                check_fits(layout, shape, object_path or path, source)
-                return source, layout
-        if self.layout_map is not None:
-            rule, layout = self.layout_map.resolve(shape, object_path, path)
-            if layout is not None:
-                return rule, layout
-        return None, Layout.replicated(self.device_mesh, len(shape))
+        return resolve_weight(
+            owner=creating[0] if creating is not None else None,
+            name=variable.name,
+            shape=tuple(variable.shape),
+            object_path=object_path,
+            path=path,
+            layout_map=self.layout_map,
+            mesh=self.device_mesh,
+        )
 
     def get_variable_layout(self, variable):
         if getattr(variable, "_layout", None) is not None:

@@ -58,26 +58,19 @@ class Report:
 
 def explain(model, layout_map):
     """Resolve every weight of `model` against `layout_map`."""
-    from keras_layoutmap.distributions import _kwarg_layout
-    from keras_layoutmap.layout import as_layout, check_fits
+    from keras_layoutmap.distributions import resolve_weight
 
     owners = paths.object_paths(model, with_owner=True)
     rows, won, matched = [], set(), set()
     for variable in model.weights:
         object_path, owner = owners.get(id(variable), (variable.path, None))
         shape = tuple(int(d) for d in variable.shape)
-        rule, layout = (None, None)
-        if owner is not None:
-            rule, layout = _kwarg_layout(owner, variable.name)
-        if layout is not None:
-            layout = as_layout(layout, layout_map.device_mesh, where=rule)
-            check_fits(layout, shape, object_path, rule)
-        else:
-            rule, layout = layout_map.resolve(shape, object_path, variable.path)
+        rule, layout = resolve_weight(
+            owner, variable.name, shape, object_path, variable.path,
+            layout_map, layout_map.device_mesh,
+        )
         won.add(rule)
-        for key in layout_map:
-            if _matches(key, object_path, variable.path):
-                matched.add(key)
+        matched.update(layout_map.matching_rules(object_path, variable.path))
         rows.append(
             WeightRow(
                 path=variable.path,
@@ -96,8 +89,3 @@ def explain(model, layout_map):
     shadowed = [k for k in keys if k in matched and k not in won]
     return Report(rows=rows, unused_rules=unused, shadowed_rules=shadowed)
 
-
-def _matches(key, *names):
-    import re
-
-    return any(n == key or re.fullmatch(key, n) for n in names if n)

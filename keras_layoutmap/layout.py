@@ -1,6 +1,7 @@
 """Tensor layouts: `Layout`, `UNSHARDED` and layout validation."""
 
 import math
+import re
 
 import numpy as np
 from keras import distribution as keras_distribution
@@ -204,6 +205,9 @@ def check_fits(layout, shape, path, rule):
 
 def layout_bytes_per_device(layout, shape, dtype):
     """Bytes one device holds for a tensor of `shape` under `layout`."""
-    itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+    try:
+        itemsize = np.dtype(str(dtype)).itemsize
+    except TypeError:  # bfloat16, float8_*: numpy does not know them
+        itemsize = max(1, int(re.search(r"\d+", str(dtype)).group()) // 8)
     shard = layout.shard_shape(shape) if layout is not None else shape
     return int(math.prod(shard)) * itemsize

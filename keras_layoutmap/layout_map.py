@@ -81,6 +81,10 @@ class _Matcher:
                 pass
         return None
 
+    def all(self, key):
+        """Indices of every rule that fullmatches `key`."""
+        return [i for i in self._candidates(key) if self.compiled[i].fullmatch(key)]
+
     def first(self, key):
         """Index of the first rule that fullmatches `key`, or None."""
         candidates = self._candidates(key)
@@ -197,6 +201,16 @@ class LayoutMap(keras_distribution.LayoutMap):
             return None, None
         rule = self._matcher.rules[min(hits)]
         return rule, self._layout_map[rule]
+
+    def matching_rules(self, *keys):
+        """Every rule (exact key or regex) that matches any of `keys`."""
+        if self._matcher is None:
+            self._matcher = _Matcher(self._layout_map)
+        found = {k for k in keys if k is not None and k in self._layout_map}
+        for key in keys:
+            if key is not None:
+                found.update(self._matcher.rules[i] for i in self._matcher.all(key))
+        return found
 
     def resolve(self, shape, *keys):
         """`(rule, layout)` for a weight of `shape` named by `keys`.
