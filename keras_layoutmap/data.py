@@ -98,6 +98,11 @@ def unpack(x):
 
 def fetch_layout(x):
     """The layout `x` (a tensor or a `keras.Variable`) *actually* has, read
-    from the backend's own sharding; a `klm.Layout`."""
+    from the backend's own sharding; a `klm.Layout`.
+
+    An array that lives on one device reads back as replicated on a
+    one-device mesh (axis `"device"`): on a one-device mesh JAX may keep a
+    value single-device, which is physically the same placement.
+    """
     axes, mesh = backends.get().fetch_layout(x)
     return Layout(axes, mesh)

@@ -121,7 +121,7 @@ class LayoutMap(keras_distribution.LayoutMap):
     >>> layout_map = klm.LayoutMap(mesh)
     >>> layout_map[r".*dense.*kernel"] = (None, "model")
     >>> layout_map[r".*dense.*bias"] = ("model",)
-    >>> layout_map["d1.kernel"]
+    >>> layout_map["dense_1.kernel"]
     Layout(['unsharded', 'model'], Mesh(batch=1, model=1))
     >>> layout_map["d1.gamma"] is None
     True
@@ -248,7 +248,7 @@ class LayoutMap(keras_distribution.LayoutMap):
         Example:
 
         >>> import keras, keras_layoutmap as klm
-        >>> mesh = klm.create_mesh([("batch", 1)])
+        >>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
         >>> layout_map = klm.LayoutMap(mesh)
         >>> layout_map["d1.kernel"] = ("unsharded", "batch")
         >>> with layout_map.scope():

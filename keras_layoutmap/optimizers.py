@@ -9,7 +9,7 @@ a custom training loop apply gradients outside any distribution scope, as
 Example:
 
 >>> import keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 1)])
+>>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
 >>> optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
 >>> klm.fetch_layout(optimizer.iterations).mesh == mesh
 True
@@ -46,8 +46,9 @@ def _mesh_aware(base):
             "__init__": __init__,
             "build": build,
             "mesh": mesh,
-            "__doc__": f"`keras.optimizers.{base.__name__}` with `mesh=`.\n\n"
-            + (base.__doc__ or ""),
+            "__doc__": f"`keras.optimizers.{base.__name__}` that keeps its "
+            "state on `mesh` (see the module docstring); every other "
+            f"argument is `keras.optimizers.{base.__name__}`'s.",
             "__module__": __name__,
         },
     )
