@@ -48,6 +48,14 @@ def _is_graph_model(layer):
     return isinstance(layer, (Functional, keras_models.Sequential))
 
 
+def _is_transparent(parent, child):
+    """A model used as a layer of a Functional or Sequential model (a
+    backbone inside a task model) adds no key: its weights keep the paths
+    they have in the model alone, so rules written for it still match, and
+    the path does not depend on whether it was built before its wrapper."""
+    return _is_graph_model(parent) and isinstance(child, keras_models.Model)
+
+
 def children(layer):
     """`(key, child_layer)` pairs of `layer`'s direct sublayers, in order.
 
@@ -109,7 +117,8 @@ def object_paths(model, with_owner=False):
                 else prefix + variable.name,
             )
         for key, child in children(layer):
-            visit(child, f"{prefix}{key}.", seen)
+            transparent = _is_transparent(layer, child)
+            visit(child, prefix if transparent else f"{prefix}{key}.", seen)
 
     top = "" if isinstance(model, keras_models.Model) else f"{model.name}."
     visit(model, top, set())
@@ -167,7 +176,8 @@ def object_path(layer, weight_name):
         if parent is None or id(parent) in seen:
             break
         seen.add(id(parent))
-        keys.append(key)
+        if not _is_transparent(parent, node):
+            keys.append(key)
         node = parent
     if not isinstance(node, keras_models.Model):
         keys.append(node.name)

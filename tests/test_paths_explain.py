@@ -150,3 +150,23 @@ def test_parent_links_survive_layers_added_after_construction():
     inner = model.blocks[1].inner
     assert paths.object_path(inner, "kernel") == "blocks.1.inner.kernel"
     assert paths.object_paths(model)[id(inner.kernel)] == "blocks.1.inner.kernel"
+
+
+def test_model_inside_a_functional_model_keeps_its_own_paths():
+    def backbone():
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(8, name="token_embedding")(inputs)
+        return keras.Model(inputs, Block(name="blk")(x), name="backbone")
+
+    inner = backbone()
+    inputs = keras.Input((4,))
+    wrapped = keras.Model(inputs, keras.layers.Dense(2, name="head")(inner(inputs)))
+    top_down = sorted(paths.object_paths(wrapped).values())
+    assert top_down == sorted(["token_embedding.kernel", "token_embedding.bias",
+                               "blk.dense.kernel", "blk.dense.bias",
+                               "head.kernel", "head.bias"])
+    # Built lazily inside a Sequential wrapper: the same paths bottom-up.
+    late = keras.Sequential([backbone(), keras.layers.Dense(2, name="head")])
+    late.build((None, 4))
+    dense = late.layers[0].get_layer("blk").dense
+    assert paths.object_path(dense, "kernel") == "blk.dense.kernel"
