@@ -15,16 +15,15 @@ from keras import models as keras_models
 from keras_layoutmap import backends
 from keras_layoutmap.layer_kwargs import remembered_distribution
 
-_METHODS = (
+_TRAINING_METHODS = (
     "fit",
     "evaluate",
     "predict",
     "train_on_batch",
     "test_on_batch",
     "predict_on_batch",
-    "save_weights",
-    "load_weights",
 )
+_METHODS = _TRAINING_METHODS + ("save_weights", "load_weights")
 
 
 def model_distribution(model):
@@ -54,7 +53,17 @@ def place_on_mesh(model, dist):
             backend.relayout_variable(variable, dist.get_variable_layout(variable))
 
 
+def _check_backend_trains(name, dist):
+    backend = backends.get()
+    if name in _TRAINING_METHODS and not backend.TRAINING and (
+        dist.device_mesh is not None and dist.device_mesh.size > 1
+    ):
+        raise NotImplementedError(backend.NOT_BUILT)
+
+
 def _wrap(original):
+    name = original.__name__
+
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         dist = keras_distribution.distribution()
@@ -62,9 +71,11 @@ def _wrap(original):
             dist = model_distribution(self)
             if dist is None:
                 return original(self, *args, **kwargs)
+            _check_backend_trains(name, dist)
             with dist.scope():
                 place_on_mesh(self, dist)
                 return original(self, *args, **kwargs)
+        _check_backend_trains(name, dist)
         place_on_mesh(self, dist)
         return original(self, *args, **kwargs)
 

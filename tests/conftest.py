@@ -5,10 +5,11 @@ import pytest
 import keras_layoutmap as klm
 from keras_layoutmap import backends
 
-# The first call after import, as a user script does. Sharding tests need a
-# backend that places tensors on a mesh (JAX today); elsewhere only the
-# backend-neutral tests run (nox passes -m "not sharding").
+# The first call after import, as a user script does. `sharding` tests need a
+# backend that places tensors on a mesh (JAX, TensorFlow); `training` tests
+# need `model.fit` on a mesh (JAX). nox deselects what a backend cannot do.
 SHARDING = backends.get().SHARDING
+TRAINING = backends.get().TRAINING
 if SHARDING:
     klm.configure_virtual_devices(8)
 
@@ -40,8 +41,13 @@ def _clean_state():
 
 
 def pytest_collection_modifyitems(config, items):
+    backend = os.environ.get("KERAS_BACKEND")
     for item in items:
         if "sharding" in item.keywords and not SHARDING:
             item.add_marker(pytest.mark.skip(
                 reason=f"needs a backend that places tensors on a mesh; the "
-                f"{os.environ.get('KERAS_BACKEND')} backend cannot yet"))
+                f"{backend} backend cannot yet"))
+        elif "training" in item.keywords and not TRAINING:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs model.fit on a mesh; not built yet for the "
+                f"{backend} backend"))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.sharding
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 

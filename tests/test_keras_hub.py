@@ -6,7 +6,7 @@ import pytest
 
 import keras_layoutmap as klm
 
-pytestmark = pytest.mark.sharding
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
 TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
                   num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,

@@ -7,7 +7,7 @@ from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
 
-pytestmark = pytest.mark.sharding
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
 EPOCHS = 3
 BATCH = 128  # 1797 * 0.8 -> 1437 training rows: the last batch holds 29

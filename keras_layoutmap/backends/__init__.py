@@ -10,6 +10,8 @@ a backend itself:
 - `relayout_variable(variable, layout)`: move an existing variable onto a layout
 - `install()`: backend-specific hooks into Keras (e.g. the data iterator)
 - `SHARDING`: whether this backend can place tensors on a multi-device mesh
+- `TRAINING`: whether `model.fit` / `evaluate` / `predict` run on one
+- `NOT_BUILT`: the message for what is missing (None when nothing is)
 """
 
 import importlib

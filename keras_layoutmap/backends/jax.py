@@ -4,7 +4,8 @@ import jax
 import numpy as np
 from keras.src.backend.jax import trainer as keras_jax_trainer
 
-SHARDING = True
+SHARDING = True  # tensors and variables on a mesh
+TRAINING = True  # model.fit & co. on a mesh
 NOT_BUILT = None
 
 

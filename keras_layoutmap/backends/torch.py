@@ -6,6 +6,7 @@ import os
 from keras_layoutmap.backends._unsupported import not_built, not_built_message
 
 SHARDING = False
+TRAINING = False
 
 NOT_BUILT = not_built_message("torch", "the torch backend, not yet filed")
 _unbuilt = not_built(NOT_BUILT)
