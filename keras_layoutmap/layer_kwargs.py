@@ -137,7 +137,7 @@ def _wrap_setattr(original):
     def __setattr__(self, name, value):
         original(self, name, value)
         if isinstance(value, (keras_layers.Layer, list, tuple, dict)):
-            paths.touched(self)
+            paths.register(self)
 
     return __setattr__
 

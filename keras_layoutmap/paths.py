@@ -29,18 +29,13 @@ _parents = {}  # id(child) -> (weakref(child), weakref(parent), key)
 _to_scan = {}  # id(layer) -> weakref(layer); ids, as a half-built layer
 # may not be hashable yet
 
-
 _SKIPPED_ATTRIBUTES = {"_layers", "_tracker", "_inbound_nodes",
                        "_outbound_nodes", "_operations", "_self_setattr_tracking"}
 
 
 def register(layer):
-    """Record a new layer: it may be the parent of layers made before it."""
-    _to_scan[id(layer)] = weakref.ref(layer)
-
-
-def touched(layer):
-    """Record that `layer` was given an attribute that may hold layers."""
+    """Record that `layer` may have gained children: it is new (made after
+    its sublayers), or was just given an attribute that may hold layers."""
     _to_scan[id(layer)] = weakref.ref(layer)
 
 

@@ -19,8 +19,7 @@ NOT_BUILT = (
     "model.fit / evaluate / predict on a multi-device mesh are not built yet "
     "for the tensorflow backend (the TensorFlow DTensor issue). Variables, "
     "optimizers, metrics and klm.pack / unpack / distribute work: train with "
-    "a custom loop (see examples/custom_training_loop_tf.py), or use "
-    "KERAS_BACKEND=jax."
+    "a custom loop (docs/porting.md), or use KERAS_BACKEND=jax."
 )
 
 
