@@ -61,7 +61,7 @@ def example(session):
 @nox.session(python=PYTHON)
 def bench(session):
     session.install("-e", ".[jax,test]")
-    for script in ("overhead.py", "rules.py", "memory.py"):
+    for script in ("overhead.py", "rules.py", "memory.py", "build.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
 
 
