@@ -281,3 +281,16 @@ def test_layout_kwargs_place_weights_of_stock_layers(mesh):
                 if variable.name in expected:
                     want = expected[variable.name]
                     assert klm.fetch_layout(variable).axes == want, variable.path
+
+
+def test_rules_relayout_layer_outputs(mesh):
+    """Keras asks the distribution for `<layer path>/output`; a rule for it
+    reshards that layer's output."""
+    lm = klm.LayoutMap(mesh)
+    lm[r".*/d1/output"] = ("batch", "model")
+    with lm.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="d1")])
+        x = klm.distribute(np.ones((8, 4), "float32"),
+                           klm.Layout.batch_sharded(mesh, "batch", 2))
+        out = model.layers[0](x)
+    assert klm.fetch_layout(out) == klm.Layout(["batch", "model"], mesh)

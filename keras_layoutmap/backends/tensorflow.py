@@ -219,7 +219,21 @@ def _wrap_direct_assign(original):
     return _direct_assign
 
 
+def _distribute_tensor(tensor, layout):
+    """Keras' hook to relayout a layer output (`<layer>/output` rules)."""
+    from keras_layoutmap.layout import as_layout
+
+    layout = as_layout(layout)
+    if tf.executing_eagerly():
+        return distribute(tensor, layout)
+    return dtensor.relayout(tensor, _dlayout(layout))
+
+
 def install():
+    from keras.src.backend.tensorflow import distribution_lib
+
+    # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
+    distribution_lib.distribute_tensor = _distribute_tensor
     Variable = keras_tf_core.Variable
     Variable._initialize = _wrap_initialize(Variable._initialize)
     Variable._direct_assign = _wrap_direct_assign(Variable._direct_assign)
