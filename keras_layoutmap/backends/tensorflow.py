@@ -8,6 +8,8 @@ Keras variable created under a distribution (or with a layout) as a
 `model.fit` / `evaluate` / `predict` on a multi-device mesh (TRAINING).
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import core as keras_tf_core
@@ -231,6 +233,12 @@ def _distribute_tensor(tensor, layout):
 
 def install():
     from keras.src.backend.tensorflow import distribution_lib
+
+    # DTensor's pass that combines all-reduces moves the reduction of a
+    # gradient past reads of other variables, ignoring the control edges of
+    # their assigns: Adam then reads its moments before this step's update
+    # and the first step is lost. Off unless the user chose otherwise.
+    os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
     distribution_lib.distribute_tensor = _distribute_tensor
