@@ -1,13 +1,17 @@
 """The TensorFlow backend: `tf.experimental.dtensor` places tensors and
 variables on the mesh.
 
-Built so far: meshes and layouts as `dtensor.Mesh` / `dtensor.Layout`, every
-Keras variable created under a distribution (or with a layout) as a
-`dtensor.DVariable` with its layout, `distribute` / `pack` / `unpack` /
-`copy_to_mesh` / `fetch_layout`, and custom training loops on them. Not yet:
-`model.fit` / `evaluate` / `predict` on a multi-device mesh (TRAINING).
+Meshes and layouts become `dtensor.Mesh` / `dtensor.Layout`; every Keras
+variable created under a distribution (or with a layout) is a
+`dtensor.DVariable` with its layout. `model.fit` / `evaluate` / `predict`
+(and the `*_on_batch` methods) pack each batch onto the mesh by the
+distribution's data layout for that batch's shape, run Keras' own step in a
+`tf.function` that DTensor expands to every device, and bring predictions
+back to the host. DTensor computes on global tensors, so a loss or a metric
+is that of one device: nothing is divided by a replica count.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -16,13 +20,8 @@ from keras.src.backend.tensorflow import core as keras_tf_core
 from tensorflow.experimental import dtensor
 
 SHARDING = True
-TRAINING = False
-NOT_BUILT = (
-    "model.fit / evaluate / predict on a multi-device mesh are not built yet "
-    "for the tensorflow backend (the TensorFlow DTensor issue). Variables, "
-    "optimizers, metrics and klm.pack / unpack / distribute work: train with "
-    "a custom loop (docs/porting.md), or use KERAS_BACKEND=jax."
-)
+TRAINING = True
+NOT_BUILT = None
 
 
 def configure_virtual_devices(n):
@@ -136,6 +135,10 @@ def host_shards(array, layout):
 
 def distribute(x, layout):
     value = _value(x)
+    if tf.is_tensor(value) and not tf.executing_eagerly() and not isinstance(
+            value, tf.Variable):
+        # Inside a tf.function every tensor is on the function's mesh.
+        return dtensor.relayout(value, _dlayout(layout))
     if tf.is_tensor(value) and _is_dtensor(value):
         source = dtensor.fetch_layout(value)
         if source.mesh == _dmesh(layout.mesh):
@@ -221,14 +224,200 @@ def _wrap_direct_assign(original):
     return _direct_assign
 
 
+def _wrap_numpy(original):
+    def numpy(self):
+        if getattr(self, "_layout", None) is None or not _is_dtensor(self._value):
+            return original(self)
+        # A sharded DVariable has no single value on the host: gather it.
+        return _to_host(self._value.read_value()).numpy()
+
+    return numpy
+
+
+def _array(self, dtype=None, copy=None):
+    array = self.numpy()
+    return array if dtype is None else array.astype(dtype)
+
+
+def _traced_mesh():
+    """The `dtensor.Mesh` random numbers are drawn for: the distribution's,
+    while a function on it is being traced; None otherwise."""
+    if tf.executing_eagerly():
+        return None
+    dist = _mesh_distribution()
+    return None if dist is None else _dmesh(dist.device_mesh)
+
+
+def _replicated(tensor, dmesh):
+    return dtensor.relayout(tensor, dtensor.Layout.replicated(dmesh, tensor.shape.rank))
+
+
+def _wrap_random(original):
+    """DTensor draws a sharded random tensor shard by shard from per-device
+    seeds: other numbers than one device draws. Draw it whole (replicated)
+    instead; later ops shard it like any other tensor."""
+
+    @functools.wraps(original)
+    def draw(*args, **kwargs):
+        dmesh = _traced_mesh()
+        result = original(*args, **kwargs)
+        return result if dmesh is None else _replicated(result, dmesh)
+
+    return draw
+
+
+def _wrap_dropout(original):
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        dmesh = _traced_mesh()
+        if dmesh is None or rate in (0.0, 1.0):
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        from keras.src.backend.tensorflow import random as keras_tf_random
+
+        # tf.nn.experimental.stateless_dropout, op for op, with the noise
+        # drawn whole.
+        seed = keras_tf_random._cast_seed(keras_tf_random.draw_seed(seed))
+        shape = keras_tf_random._get_concrete_noise_shape(inputs, noise_shape)
+        noise = _replicated(
+            tf.random.stateless_uniform(shape, seed=seed, dtype=inputs.dtype), dmesh)
+        scaled = inputs * tf.convert_to_tensor(1 / (1 - rate), dtype=inputs.dtype)
+        return tf.where(noise >= rate, scaled, tf.constant(0, dtype=inputs.dtype))
+
+    return dropout
+
+
 def _distribute_tensor(tensor, layout):
     """Keras' hook to relayout a layer output (`<layer>/output` rules)."""
     from keras_layoutmap.layout import as_layout
 
-    layout = as_layout(layout)
-    if tf.executing_eagerly():
-        return distribute(tensor, layout)
-    return dtensor.relayout(tensor, _dlayout(layout))
+    return distribute(tensor, as_layout(layout))
+
+
+def _mesh_distribution():
+    """The active distribution if it spans more than one device."""
+    from keras import distribution as keras_distribution
+
+    dist = keras_distribution.distribution()
+    mesh = getattr(dist, "device_mesh", None)
+    if mesh is None or int(np.prod(mesh.shape)) == 1:
+        return None
+    return dist
+
+
+def _pack_batch(data, dist):
+    """`data` (a nest of host arrays or tensors) placed on the mesh: each
+    leaf by the distribution's data layout for its shape. Leaves already on
+    the distribution's mesh are left as they are."""
+    from keras.src import tree
+
+    from keras_layoutmap.data import distribute as checked_distribute
+    from keras_layoutmap.layout import as_layout
+
+    dmesh = _dmesh(dist.device_mesh)
+
+    def place(x):
+        if x is None:
+            return None
+        if tf.is_tensor(x) and _is_dtensor(x):
+            mesh = dtensor.fetch_layout(x).mesh
+            if mesh != dmesh:
+                raise ValueError(
+                    f"An input is a DTensor on mesh {mesh.dim_names} "
+                    f"{mesh.shape()}, but the model runs on "
+                    f"{dist.device_mesh!r}. Pack inputs with a layout on the "
+                    "model's mesh (klm.Layout.batch_sharded(mesh, ...)), or "
+                    "pass host arrays and let the distribution pack them."
+                )
+            return x
+        if isinstance(x, tf.Tensor):
+            x = x.numpy()
+        array = np.asarray(x)
+        layout = as_layout(dist.get_data_layout(array.shape))
+        return checked_distribute(array, layout)
+
+    return tree.map_structure(place, data)
+
+
+def _to_host(x):
+    """A DTensor output as one plain tensor on the host (an all-gather if it
+    is sharded); anything else as it is."""
+    if not (tf.is_tensor(x) and _is_dtensor(x)):
+        return x
+    layout = dtensor.fetch_layout(x)
+    if not layout.is_fully_replicated():
+        x = dtensor.relayout(x, dtensor.Layout.replicated(layout.mesh, layout.rank))
+    return tf.identity(dtensor.unpack(x)[0])
+
+
+class _PackedBatches:
+    """The batches of `iterator` packed onto the mesh of `dist`."""
+
+    def __init__(self, iterator, dist):
+        self._iterator = iter(iterator)
+        self._dist = dist
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            data = next(self._iterator)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+        return _pack_batch(data, self._dist)
+
+
+def _wrap_make_function(original):
+    def _make_function(self, step_function):
+        keras_function = original(self, step_function)
+        compiled = {}
+
+        def function(iterator):
+            dist = _mesh_distribution()
+            if dist is None:
+                return keras_function(iterator)
+            if "step" not in compiled:
+                # No XLA: DTensor expands the function to every device itself.
+                compiled["step"] = (
+                    step_function if self.run_eagerly
+                    else tf.function(step_function, reduce_retracing=True))
+            batches = _PackedBatches(iterator, dist)
+            outputs = None
+            for _ in range(self.steps_per_execution):
+                try:
+                    data = next(batches)
+                except StopIteration:
+                    if outputs is None:
+                        raise
+                    break
+                outputs = compiled["step"](data)
+            return outputs
+
+        return function
+
+    return _make_function
+
+
+def _wrap_make_predict_function(original):
+    def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        original(self, force=force)
+        keras_function = self.predict_function
+
+        def predict_function(data):
+            from keras.src import tree
+
+            dist = _mesh_distribution()
+            if dist is None:
+                return keras_function(data)
+            outputs = keras_function([_pack_batch(d, dist) for d in data])
+            return tree.map_structure(_to_host, outputs)
+
+        self.predict_function = predict_function
+        return predict_function
+
+    return make_predict_function
 
 
 def install():
@@ -242,6 +431,19 @@ def install():
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
     distribution_lib.distribute_tensor = _distribute_tensor
+    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+
+    Trainer = keras_tf_trainer.TensorFlowTrainer
+    Trainer._make_function = _wrap_make_function(Trainer._make_function)
+    Trainer.make_predict_function = _wrap_make_predict_function(
+        Trainer.make_predict_function)
+    from keras.src.backend.tensorflow import random as keras_tf_random
+
+    for name in ("normal", "uniform", "truncated_normal", "randint"):
+        setattr(keras_tf_random, name, _wrap_random(getattr(keras_tf_random, name)))
+    keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
     Variable = keras_tf_core.Variable
     Variable._initialize = _wrap_initialize(Variable._initialize)
     Variable._direct_assign = _wrap_direct_assign(Variable._direct_assign)
+    Variable.numpy = _wrap_numpy(Variable.numpy)
+    Variable.__array__ = _array
