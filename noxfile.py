@@ -1,10 +1,9 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
-`nox` runs lint and the three test sessions. `tests-tensorflow` runs every
-test but those of `model.fit` on a mesh (`-m "not training"`: not built on
-DTensor yet); `tests-torch` runs the backend-neutral tests (`-m "not
-sharding"`: torch cannot place tensors on a mesh yet). Nothing claims what
-is not built.
+`nox` runs lint and the three test sessions. `tests-jax` and
+`tests-tensorflow` run every test; `tests-torch` runs the backend-neutral
+tests (`-m "not sharding"`: torch cannot place tensors on a mesh yet).
+Nothing claims what is not built.
 """
 
 import nox
@@ -41,7 +40,9 @@ def tests_jax(session):
 @nox.session(name="tests-tensorflow", python=PYTHON)
 def tests_tensorflow(session):
     session.install("-e", ".[tensorflow,test]")
-    _pytest(session, "tensorflow", "-m", "not training")
+    session.install(*KERAS_HUB)
+    session.install(*KERAS_HUB_DEPS)
+    _pytest(session, "tensorflow")
 
 
 @nox.session(name="tests-torch", python=PYTHON)

@@ -68,17 +68,3 @@ def test_unbuilt_backend_refuses_to_shard_clearly():
     one = klm.LayoutMap(klm.create_mesh([("batch", 1)], devices=["cpu:0"]))
     with one.scope():  # one device: nothing to place, so it is allowed
         pass
-
-
-@pytest.mark.sharding
-@pytest.mark.skipif(backends.get().TRAINING,
-                    reason="this backend runs model.fit on a mesh")
-def test_fit_on_a_mesh_not_built_says_so():
-    mesh = klm.create_mesh([("batch", 2)])
-    with klm.DataParallel(mesh).scope():
-        import keras
-
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile("sgd", "mse")
-    with pytest.raises(NotImplementedError, match="not built yet.*custom loop"):
-        model.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0)

@@ -163,7 +163,59 @@ def pack(components, layout):
 
 
 def unpack(x):
-    return dtensor.unpack(_value(x))
+    value = _value(x)
+    if not (tf.is_tensor(value) and _is_dtensor(value)):
+        raise TypeError(
+            "klm.unpack expects a tensor placed on a mesh (a DTensor) or a "
+            f"keras.Variable made on one. Received: a plain {type(x).__name__}"
+            f" of shape {tuple(getattr(value, 'shape', ()))}. Place it with "
+            "klm.distribute(x, layout) or klm.pack(components, layout) first."
+        )
+    return dtensor.unpack(value)
+
+
+def _check_inputs_on_mesh(model, inputs):
+    """Refuse, before DTensor does, a plain tensor passed eagerly to a model
+    whose variables live on a mesh: say what to do instead."""
+    from keras.src import tree
+
+    variables = model.variables
+    if not variables or not _is_dtensor(variables[0]._value):
+        return
+    mesh = dtensor.fetch_layout(variables[0]._value).mesh
+    for index, x in enumerate(tree.flatten(inputs)):
+        if not isinstance(x, (np.ndarray, tf.Tensor)) or len(x.shape) == 0:
+            continue
+        if tf.is_tensor(x) and _is_dtensor(x):
+            other = dtensor.fetch_layout(x).mesh
+            if other != mesh:
+                raise ValueError(
+                    f"Model '{model.name}' has its variables on a mesh "
+                    f"{dict(zip(mesh.dim_names, mesh.shape()))}, but input "
+                    f"{index} is on another mesh "
+                    f"{dict(zip(other.dim_names, other.shape()))}. Pack it "
+                    "with a layout on the model's mesh."
+                )
+        else:
+            raise ValueError(
+                f"Model '{model.name}' has its variables on a mesh "
+                f"{dict(zip(mesh.dim_names, mesh.shape()))}, but input {index} "
+                f"is a plain {type(x).__name__} of shape {tuple(x.shape)}, "
+                "not a tensor on that mesh. Place it first with "
+                "klm.distribute(x, klm.Layout.batch_sharded(mesh, 'batch', "
+                f"{len(x.shape)})) (or klm.pack one piece per device), or call "
+                "model.predict(x), which packs batches for you."
+            )
+
+
+def _wrap_model_call(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        if tf.executing_eagerly():
+            _check_inputs_on_mesh(self, args)
+        return original(self, *args, **kwargs)
+
+    return __call__
 
 
 def _make_dvariable(variable, value, layout):
@@ -235,7 +287,7 @@ def _wrap_numpy(original):
 
 
 def _array(self, dtype=None, copy=None):
-    array = self.numpy()
+    array = np.asarray(self.numpy())
     return array if dtype is None else array.astype(dtype)
 
 
@@ -322,9 +374,9 @@ def _pack_batch(data, dist):
             mesh = dtensor.fetch_layout(x).mesh
             if mesh != dmesh:
                 raise ValueError(
-                    f"An input is a DTensor on mesh {mesh.dim_names} "
-                    f"{mesh.shape()}, but the model runs on "
-                    f"{dist.device_mesh!r}. Pack inputs with a layout on the "
+                    "An input is a DTensor on another mesh "
+                    f"{dict(zip(mesh.dim_names, mesh.shape()))} than the "
+                    f"model's, {dist.device_mesh!r}. Pack inputs with a layout on the "
                     "model's mesh (klm.Layout.batch_sharded(mesh, ...)), or "
                     "pass host arrays and let the distribution pack them."
                 )
@@ -420,6 +472,36 @@ def _wrap_make_predict_function(original):
     return make_predict_function
 
 
+def _wrap_export(original):
+    """`model.export` of a model on a mesh: a SavedModel of plain variables
+    holding the gathered weights, traced with no distribution, so that it
+    serves plain tensors on any machine (DTensor is not in the graph)."""
+
+    @functools.wraps(original)
+    def export(self, *args, **kwargs):
+        from keras import distribution as keras_distribution
+
+        placed = [v for v in self.variables if _is_dtensor(v._value)]
+        dist = keras_distribution.distribution()
+        if not placed:
+            return original(self, *args, **kwargs)
+        dvariables = {id(v): v._value for v in placed}
+        try:
+            keras_distribution.set_distribution(None)
+            for v in placed:
+                with tf.init_scope():
+                    v._value = tf.Variable(
+                        _to_host(v._value.read_value()), trainable=v.trainable,
+                        name=v.name)
+            return original(self, *args, **kwargs)
+        finally:
+            for v in placed:
+                v._value = dvariables[id(v)]
+            keras_distribution.set_distribution(dist)
+
+    return export
+
+
 def install():
     from keras.src.backend.tensorflow import distribution_lib
 
@@ -442,6 +524,10 @@ def install():
     for name in ("normal", "uniform", "truncated_normal", "randint"):
         setattr(keras_tf_random, name, _wrap_random(getattr(keras_tf_random, name)))
     keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
+    from keras.src.models import model as keras_model
+
+    keras_model.Model.export = _wrap_export(keras_model.Model.export)
+    keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
     Variable = keras_tf_core.Variable
     Variable._initialize = _wrap_initialize(Variable._initialize)
     Variable._direct_assign = _wrap_direct_assign(Variable._direct_assign)

@@ -1,0 +1,176 @@
+"""`model.fit` features on a mesh, each checked against one device: weight
+regularization, Python generators, spatial (feature-dim) sharding, and the
+ModelCheckpoint, BackupAndRestore and EarlyStopping callbacks."""
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import keras_layoutmap as klm
+
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
+
+BATCH = 64  # 600 rows: the last batch of an epoch holds 24
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = load_digits(return_X_y=True)
+    return (x[:600] / 16.0).astype("float32"), y[:600].astype("int32")
+
+
+def build(regularized=False, spatial=False):
+    keras.utils.set_random_seed(0)
+    regularizer = keras.regularizers.L2(0.01) if regularized else None
+    inputs = keras.Input((64,))
+    x = keras.layers.Identity(name="pixels")(inputs) if spatial else inputs
+    x = keras.layers.Dense(32, activation="relu", name="d1",
+                           kernel_regularizer=regularizer)(x)
+    outputs = keras.layers.Dense(10, name="d2", kernel_regularizer=regularizer)(x)
+    model = keras.Model(inputs, outputs, name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def model_parallel(mesh, **kwargs):
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    lm[r"d2\.kernel"] = ("model", None)
+    with lm.scope():
+        return build(**kwargs)
+
+
+def assert_same(model, reference, history=None, ref_history=None):
+    if history is not None:
+        assert history.keys() == ref_history.keys()
+        for key in history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
+                                       err_msg=key)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_regularization_losses_count_once(digits):
+    x, y = digits
+    reference = build(regularized=True)
+    ref = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    model = model_parallel(mesh, regularized=True)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    # A penalty counted once per device would show in the loss at once.
+    assert_same(model, reference, history.history, ref.history)
+    unregularized = build().fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                verbose=0)
+    assert history.history["loss"][0] > unregularized.history["loss"][0]
+
+
+def _batches(x, y):
+    for start in range(0, len(y), BATCH):
+        yield x[start:start + BATCH], y[start:start + BATCH]
+
+
+def test_python_generator_with_short_batch(digits):
+    x, y = digits
+    steps = -(-len(y) // BATCH)
+
+    def fit(model):
+        for _ in range(2):  # a generator is good for one epoch
+            model.fit(_batches(x, y), steps_per_epoch=steps, epochs=1, verbose=0)
+        return model.evaluate(_batches(x, y), steps=steps, verbose=0,
+                              return_dict=True)
+
+    ref_logs = fit(reference := build())
+    mesh = klm.create_mesh([("batch", 8)])
+    with klm.DataParallel(mesh).scope():
+        model = build()
+    logs = fit(model)
+    for key in ref_logs:
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
+    assert_same(model, reference)
+
+
+def test_spatial_parallel_fit_matches_single_device(digits):
+    """The DTensor ML tutorial's third scheme through `fit`: the pixels are
+    split over the `feature` axis (a `<layer>/output` rule), and so are the
+    rows of the first kernel."""
+    x, y = digits
+    reference = build(spatial=True)
+    ref = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    mesh = klm.create_mesh([("batch", 4), ("feature", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm["pixels/output"] = ("batch", "feature")
+    lm[r"d1\.kernel"] = ("feature", None)
+    with klm.ModelParallel(layout_map=lm, batch_dim_name="batch").scope():
+        model = build(spatial=True)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_same(model, reference, history.history, ref.history)
+    assert klm.fetch_layout(model.get_layer("d1").kernel) == klm.Layout(
+        ["feature", None], mesh)
+
+
+def test_model_checkpoint_saves_weights_that_load_anywhere(tmp_path, digits):
+    x, y = digits
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    model = model_parallel(mesh)
+    path = str(tmp_path / "best.weights.h5")
+    model.fit(x, y, batch_size=BATCH, epochs=2, validation_split=0.2, verbose=0,
+              callbacks=[keras.callbacks.ModelCheckpoint(
+                  path, save_weights_only=True, monitor="val_loss")])
+    plain = build()
+    plain.load_weights(path)
+    assert_same(plain, model)
+    full = str(tmp_path / "model.keras")
+    model.save(full)
+    loaded = keras.saving.load_model(full)
+    np.testing.assert_allclose(loaded.predict(x[:32], verbose=0),
+                               model.predict(x[:32], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_training(tmp_path, digits):
+    x, y = digits
+    reference = build()
+    reference.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    mesh = klm.create_mesh([("batch", 8)])
+    with klm.DataParallel(mesh).scope():
+        model = build()
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[backup, _Interrupt()])
+    # A new process would rebuild the model; reuse this one, with the
+    # weights it had when interrupted (after epoch 2), and resume.
+    history = model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                        callbacks=[backup])
+    assert len(history.history["loss"]) == 2  # epochs 3 and 4 only
+    assert_same(model, reference)
+
+
+def test_early_stopping_restores_best_weights(digits):
+    x, y = digits
+
+    def fit(model):
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0,
+                                             restore_best_weights=True,
+                                             baseline=None, min_delta=10.0)
+        return model.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False,
+                         verbose=0, callbacks=[stop]).history
+
+    ref_history = fit(reference := build())
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    model = model_parallel(mesh)
+    history = fit(model)
+    assert len(history["loss"]) == len(ref_history["loss"]) < 5
+    assert_same(model, reference, history, ref_history)
+    assert klm.fetch_layout(model.get_layer("d1").kernel) == klm.Layout(
+        [None, "model"], mesh)
