@@ -174,3 +174,44 @@ def test_early_stopping_restores_best_weights(digits):
     assert_same(model, reference, history, ref_history)
     assert klm.fetch_layout(model.get_layer("d1").kernel) == klm.Layout(
         [None, "model"], mesh)
+
+
+def test_every_variable_on_the_mesh_and_steps_per_execution(digits):
+    """Weights, BatchNormalization statistics, the dropout seed state,
+    optimizer slots, iteration and learning rate, and metric state: none is
+    left off the mesh. Several steps per execution give the same numbers."""
+    x, y = digits
+
+    def fit(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=3)
+        return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                         verbose=0).history
+
+    def build_bn_dropout():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((64,)),
+            # No bias before BatchNormalization: its gradient is zero up to
+            # rounding, which Adam would scale up to a step of its own.
+            keras.layers.Dense(32, name="d1", use_bias=False),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dropout(0.3, name="drop"),
+            keras.layers.Dense(10, name="d2"),
+        ])
+
+    ref_history = fit(reference := build_bn_dropout())
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    with klm.ModelParallel(layout_map=lm).scope():
+        model = build_bn_dropout()
+    history = fit(model)
+    assert_same(model, reference, history, ref_history)
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
+    for name in ("seed_generator_state", "moving_mean", "iteration",
+                 "learning_rate", "velocity"):
+        assert any(v.path.endswith(name) for v in variables), name
+    off = [v.path for v in variables if klm.fetch_layout(v).mesh != mesh]
+    assert off == []
