@@ -141,3 +141,18 @@ def test_batch_on_another_mesh_is_refused(data):
     with pytest.raises(ValueError, match="one component per local device"):
         klm.pack(np.split(x[:32], 4), klm.Layout.batch_sharded(
             klm.create_mesh([("batch", 8)]), "batch", 2))
+
+
+def test_random_preprocessing_in_tf_data_under_a_mesh_distribution():
+    """Random draws are made whole only inside Keras' steps on the mesh; a
+    tf.data pipeline traced under the distribution is left alone."""
+    import tensorflow as tf
+
+    images = np.arange(2 * 4 * 4, dtype="float32").reshape(2, 4, 4, 1)
+    flip = keras.layers.RandomFlip("horizontal", seed=1)
+    with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
+        ds = tf.data.Dataset.from_tensor_slices(images).batch(2).map(
+            lambda x: flip(x, training=True))
+        (batch,) = list(ds)
+    for out, image in zip(batch.numpy(), images):
+        assert np.array_equal(out, image) or np.array_equal(out, image[:, ::-1])

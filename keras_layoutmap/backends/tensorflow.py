@@ -11,6 +11,8 @@ back to the host. DTensor computes on global tensors, so a loss or a metric
 is that of one device: nothing is divided by a replica count.
 """
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -291,10 +293,25 @@ def _array(self, dtype=None, copy=None):
     return array if dtype is None else array.astype(dtype)
 
 
+# Set while Keras' train / test / predict step runs on a mesh: random draws
+# traced then are made whole. Nothing else is touched (a tf.data pipeline
+# traced under a distribution, say, is no DTensor function).
+_IN_MESH_STEP = contextvars.ContextVar("klm_in_mesh_step", default=False)
+
+
+@contextlib.contextmanager
+def _mesh_step():
+    token = _IN_MESH_STEP.set(True)
+    try:
+        yield
+    finally:
+        _IN_MESH_STEP.reset(token)
+
+
 def _traced_mesh():
     """The `dtensor.Mesh` random numbers are drawn for: the distribution's,
-    while a function on it is being traced; None otherwise."""
-    if tf.executing_eagerly():
+    while a step on it is being traced; None otherwise."""
+    if not _IN_MESH_STEP.get() or tf.executing_eagerly():
         return None
     dist = _mesh_distribution()
     return None if dist is None else _dmesh(dist.device_mesh)
@@ -442,7 +459,8 @@ def _wrap_make_function(original):
                     if outputs is None:
                         raise
                     break
-                outputs = compiled["step"](data)
+                with _mesh_step():
+                    outputs = compiled["step"](data)
             return outputs
 
         return function
@@ -463,7 +481,8 @@ def _wrap_make_predict_function(original):
             dist = _mesh_distribution()
             if dist is None:
                 return keras_function(data)
-            outputs = keras_function([_pack_batch(d, dist) for d in data])
+            with _mesh_step():
+                outputs = keras_function([_pack_batch(d, dist) for d in data])
             return tree.map_structure(_to_host, outputs)
 
         self.predict_function = predict_function
