@@ -13,7 +13,8 @@ The subclassed model builds its weights at its first call, *outside* the
 scope; the layers remember the scope they were made in. Each model then
 trains a few epochs on scikit-learn's digits with plain `fit`.
 
-Run: `KERAS_BACKEND=jax python examples/subclassed_scope.py [--epochs N]`.
+Run: `KERAS_BACKEND=jax python examples/subclassed_scope.py [--epochs N]`
+(or `KERAS_BACKEND=tensorflow`).
 Exits non-zero if a weight lands on the wrong layout or a model ends below
 90% validation accuracy.
 """
@@ -75,11 +76,15 @@ def sequential_model():
 def make_layout_map(mesh):
     layout_map = klm.LayoutMap(mesh)
     # As in the tutorial, 'feature.*kernel' matches feature.kernel and
-    # feature_2.kernel: split their input dimension over the batch axis
-    # (each data-parallel replica keeps a quarter of every kernel)...
-    layout_map["feature.*kernel"] = klm.Layout.batch_sharded(mesh, "batch", rank=2)
-    # ...and split the biases over the model axis (10 classes do not divide
-    # over 4, but they do over 2).
+    # feature_2.kernel: split their first (input) dimension. The tutorial
+    # splits it over its only axis, `batch`; here it goes over `model`...
+    layout_map["feature.*kernel"] = klm.Layout(["model", klm.UNSHARDED], mesh)
+    # ...the axis that splits the biases (10 classes do not divide over
+    # `batch`=4, but they do over `model`=2). `feature`'s output is then
+    # split over `model` exactly as `feature_2.kernel`'s rows are. TensorFlow
+    # needs that: DTensor refuses a matmul whose contracted dimension is
+    # split over one axis on one side and another on the other (JAX
+    # reshards).
     layout_map["feature.*bias"] = klm.Layout(["model"], mesh)
     return layout_map
 
@@ -126,7 +131,7 @@ def main():
     mesh = klm.create_mesh([("batch", 4), ("model", 2)])
     layout_map = make_layout_map(mesh)
     print(layout_map)
-    expected = {"kernel": klm.Layout(["batch", klm.UNSHARDED], mesh),
+    expected = {"kernel": klm.Layout(["model", klm.UNSHARDED], mesh),
                 "bias": klm.Layout(["model"], mesh)}
     x, y = load_data()
     failures, results = [], {}

@@ -16,7 +16,8 @@ samples, which do not divide over the batch axis. Stock
 `--show-keras-failure` to see it); the `klm` distributions compute it whole
 on every device instead.
 
-Run: `KERAS_BACKEND=jax python examples/train_digits.py [--epochs N]`.
+Run: `KERAS_BACKEND=jax python examples/train_digits.py [--epochs N]` (or
+`KERAS_BACKEND=tensorflow`).
 The script exits non-zero if either run ends below 90% validation accuracy.
 """
 

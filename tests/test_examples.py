@@ -1,4 +1,5 @@
-"""Every example runs and passes its own check (accuracy, parity)."""
+"""Every example runs and passes its own check (accuracy, parity), on the
+backend of this test session (`KERAS_BACKEND`)."""
 
 import os
 import pathlib
@@ -7,19 +8,52 @@ import sys
 
 import pytest
 
+from keras_layoutmap import backends
+
 pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
+# (script, arguments, a line its check prints when it passes)
+SCRIPTS = [
+    ("train_digits.py", [], "model parallel: val_accuracy"),
+    ("subclassed_scope.py", [], "sequential: val_accuracy"),
+    ("spatial_parallel.py", [], "matches the single-device one"),
+    ("custom_training_loop.py", [], "final test accuracy"),
+    ("dtensor_keras_tutorial.py", [],
+     "OK: the sharded run equals the one-device run"),
+]
 
-@pytest.mark.parametrize("script, args", [
-    ("train_digits.py", []),
-    ("subclassed_scope.py", []),
-    ("spatial_parallel.py", []),
-    ("custom_training_loop.py", []),
-])
-def test_example_runs(script, args):
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+
+# Scripts tied to one backend: {script: (backend, reason to skip elsewhere)}.
+ONLY_ON = {
+    "custom_training_loop.py": (
+        "jax",
+        "custom_training_loop.py is a jax.grad / jax.jit loop; "
+        "dtensor_keras_tutorial.py is the TensorFlow one",
+    ),
+    "dtensor_keras_tutorial.py": (
+        "tensorflow",
+        "dtensor_keras_tutorial.py is the TF DTensor tutorial (tf.function, "
+        "tf.GradientTape); custom_training_loop.py is the JAX one",
+    ),
+}
+
+
+def test_every_example_is_listed():
+    """A new example script gets a row in SCRIPTS, so it is run here."""
+    scripts = {p.name for p in EXAMPLES.glob("*.py")}
+    assert scripts == {script for script, _, _ in SCRIPTS}
+
+
+@pytest.mark.parametrize("script, args, passed", SCRIPTS)
+def test_example_runs(script, args, passed):
+    backend = backends.name()
+    only, reason = ONLY_ON.get(script, (backend, None))
+    if backend != only:
+        pytest.skip(f"{reason} (this session runs {backend})")
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *args],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert passed in result.stdout, result.stdout[-3000:]
