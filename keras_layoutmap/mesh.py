@@ -67,6 +67,7 @@ class Mesh(keras_distribution.DeviceMesh):
                     "first, or pass `devices=`."
                 )
             devices = available[: math.prod(shape)]
+        devices = np.vectorize(_device_name, otypes=[object])(np.asarray(devices))
         super().__init__(shape, axis_names, devices=devices)
 
     @property
@@ -111,6 +112,17 @@ class Mesh(keras_distribution.DeviceMesh):
     def __repr__(self):
         dims = ", ".join(f"{a}={s}" for a, s in zip(self.axis_names, self.shape))
         return f"Mesh({dims})"
+
+
+def _device_name(device):
+    """`"cpu:3"` for `"CPU:3"` (the DTensor tutorials' spelling) or
+    `"/job:localhost/replica:0/task:0/device:CPU:3"`, so that meshes over the
+    same devices compare equal whichever way they were named."""
+    if not isinstance(device, str):
+        return device
+    name = device.split("device:")[-1]
+    kind, sep, index = name.rpartition(":")
+    return f"{kind.lower()}:{index}" if sep and index.isdigit() else device
 
 
 def _mesh_key(mesh):

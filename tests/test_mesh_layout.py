@@ -22,6 +22,18 @@ def test_mesh_equality_by_value():
     assert a != c
 
 
+def test_device_names_spelled_as_in_the_dtensor_tutorials_compare_equal():
+    lower = fake_mesh([("batch", 4), ("model", 2)])
+    upper = klm.create_mesh([("batch", 4), ("model", 2)],
+                            devices=[f"CPU:{i}" for i in range(8)])
+    full = klm.create_mesh(
+        [("batch", 4), ("model", 2)],
+        devices=[f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)])
+    assert upper == lower == full
+    assert list(upper.devices.ravel()) == [f"cpu:{i}" for i in range(8)]
+    assert klm.Layout(["batch", None], upper) == klm.Layout(["batch", None], lower)
+
+
 @pytest.mark.parametrize("dims", [[("batch",)], "batch", [("a", 2), ("a", 4)]])
 def test_create_mesh_rejects_bad_dims(dims):
     with pytest.raises(ValueError):

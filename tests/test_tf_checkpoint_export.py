@@ -156,3 +156,16 @@ def test_random_preprocessing_in_tf_data_under_a_mesh_distribution():
         (batch,) = list(ds)
     for out, image in zip(batch.numpy(), images):
         assert np.array_equal(out, image) or np.array_equal(out, image[:, ::-1])
+
+
+def test_layouts_dtensor_cannot_run_get_a_clear_error(data):
+    x, y = data
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.bias"] = ("model",)  # d1's output columns on `model` ...
+    lm[r"d2\.kernel"] = ("batch", None)  # ... d2's rows on `batch`
+    with lm.scope():
+        model = build()
+    with pytest.raises(ValueError, match=r"DTensor cannot run a step of model 'mlp'"
+                       r".*Contracting dimension for matmul.*klm.explain"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)

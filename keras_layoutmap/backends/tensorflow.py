@@ -288,6 +288,16 @@ def _wrap_numpy(original):
     return numpy
 
 
+def _wrap_convert_to_numpy(original):
+    @functools.wraps(original)
+    def convert_to_numpy(x):
+        if isinstance(x, tf.Tensor) and _is_dtensor(x):
+            x = _to_host(x)  # a sharded DTensor has no single host value
+        return original(x)
+
+    return convert_to_numpy
+
+
 def _array(self, dtype=None, copy=None):
     array = np.asarray(self.numpy())
     return array if dtype is None else array.astype(dtype)
@@ -436,6 +446,26 @@ class _PackedBatches:
         return _pack_batch(data, self._dist)
 
 
+def _run_step(model, step, data):
+    """`step(data)` on the mesh, with DTensor's layout errors made plain."""
+    try:
+        with _mesh_step():
+            return step(data)
+    except tf.errors.OpError as error:
+        message = str(error)
+        if "SPMD expansion" not in message:
+            raise
+        reason = message.split("error: ", 1)[-1].split("\n", 1)[0]
+        raise ValueError(
+            f"DTensor cannot run a step of model '{model.name}' with the "
+            f"layouts it was given: {reason} TensorFlow runs only the "
+            "combinations its SPMD expansion supports (JAX reshards instead); "
+            "for a matmul, shard the contracting dimension of both operands on "
+            "the same mesh axis, or on none. See the layouts with "
+            "klm.explain(model)."
+        ) from error
+
+
 def _wrap_make_function(original):
     def _make_function(self, step_function):
         keras_function = original(self, step_function)
@@ -459,8 +489,7 @@ def _wrap_make_function(original):
                     if outputs is None:
                         raise
                     break
-                with _mesh_step():
-                    outputs = compiled["step"](data)
+                outputs = _run_step(self, compiled["step"], data)
             return outputs
 
         return function
@@ -481,8 +510,8 @@ def _wrap_make_predict_function(original):
             dist = _mesh_distribution()
             if dist is None:
                 return keras_function(data)
-            with _mesh_step():
-                outputs = keras_function([_pack_batch(d, dist) for d in data])
+            outputs = _run_step(self, keras_function,
+                                [_pack_batch(d, dist) for d in data])
             return tree.map_structure(_to_host, outputs)
 
         self.predict_function = predict_function
@@ -545,6 +574,12 @@ def install():
     keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
     from keras.src.models import model as keras_model
 
+    import keras.src.backend as keras_backend
+    from keras.src.backend import tensorflow as keras_tf
+
+    convert_to_numpy = _wrap_convert_to_numpy(keras_tf_core.convert_to_numpy)
+    for module in (keras_backend, keras_tf, keras_tf_core):
+        module.convert_to_numpy = convert_to_numpy
     keras_model.Model.export = _wrap_export(keras_model.Model.export)
     keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
     Variable = keras_tf_core.Variable
