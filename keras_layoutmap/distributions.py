@@ -66,12 +66,20 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh):
     A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
     then the first matching rule of `layout_map`; else replicated on `mesh`.
     `source` names the kwarg or the rule (None for the default). Raises
-    `ValueError` if the chosen layout cannot hold a tensor of `shape`.
+    `ValueError` if the chosen layout cannot hold a tensor of `shape`, or if
+    a kwarg's layout is on another mesh than `mesh`.
     """
     if owner is not None:
         source, layout = _kwarg_layout(owner, name)
         if layout is not None:
             layout = as_layout(layout, mesh, where=source)
+            if mesh is not None and layout.mesh != as_mesh(mesh):
+                raise ValueError(
+                    f"Weight {object_path or path!r}: {source} is a layout on "
+                    f"{layout.mesh!r}, but the distribution places the model "
+                    f"on {as_mesh(mesh)!r}. One model lives on one mesh: make "
+                    "the layout on the distribution's mesh."
+                )
             check_fits(layout, shape, object_path or path, source)
             return source, layout
     if layout_map is not None:

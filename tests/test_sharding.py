@@ -117,6 +117,18 @@ def test_kwarg_beats_rule_and_is_validated(mesh):
     assert not bad.weights
 
 
+def test_kwarg_layout_on_another_mesh_is_refused(mesh):
+    other = klm.create_mesh([("batch", 8)])
+    with klm.DataParallel(other).scope():
+        dense = keras.layers.Dense(8, kernel_layout=klm.Layout([None, "model"], mesh),
+                                   name="elsewhere")
+        with pytest.raises(ValueError, match=r"'elsewhere\.kernel'.*"
+                           r"elsewhere\.kernel_layout.*Mesh\(batch=4, model=2\).*"
+                           r"distribution places the model on Mesh\(batch=8\)"):
+            dense.build((2, 4))
+    assert not dense.weights
+
+
 @pytest.mark.parametrize(
     "rule, match",
     [(("model",), r"d1\.kernel.*shape \(4, 6\) \(rank 2\).*rule 'd1\.kernel'.*rank 1"),
