@@ -12,8 +12,10 @@ with a built Adam optimizer is created on 8 virtual CPU devices:
   ("model",), the bias of a row-split layer stays replicated.
 
 Nothing is computed from layouts: for every variable the script takes
-`klm.unpack(variable)` (the per-device shards in mesh order) and adds up
-`shard.nbytes` per device. "device 0" is the first shard of each variable;
+`klm.unpack(variable)` (the per-device shards in mesh order: `jax.Array`
+shards on JAX, the DTensor components on TensorFlow) and adds up each
+shard's bytes per device (the device each shard sits on, as the backend
+reports it). "device 0" is the first shard of each variable;
 "max device" is the busiest device, which shows the split is even.
 
 The optimizer is built inside the scope (`model.compile` then
@@ -25,6 +27,7 @@ Goal: the sharded weights (and their optimizer slots) take within 2% of
 1/n of their replicated bytes on each device.
 
 Run: KERAS_BACKEND=jax python benchmarks/memory.py
+     KERAS_BACKEND=tensorflow python benchmarks/memory.py
 """
 
 import os
@@ -80,17 +83,27 @@ def slots_of(model, weight):
     return [v for v in model.optimizer.variables if v.name.startswith(prefix)]
 
 
+def shard_info(shard):
+    """`(device, bytes)` of one real shard: a `jax.Array` shard on JAX, a
+    DTensor component (an eager tensor on one logical device) on
+    TensorFlow."""
+    if hasattr(shard, "devices"):  # JAX
+        (device,) = shard.devices()
+        return f"{device.platform}:{device.id}", shard.nbytes
+    # TensorFlow: the component's own device and its size in memory.
+    return shard.device, shard.shape.num_elements() * shard.dtype.size
+
+
 def shard_bytes(variables):
     """`(device-0 bytes, busiest-device bytes)` of the real shards of
     `variables`: device 0 is the first shard (mesh order) of each."""
     per_device = Counter()
     first = 0
     for variable in variables:
-        shards = klm.unpack(variable)
-        first += shards[0].nbytes
-        for shard in shards:
-            (device,) = shard.devices()
-            per_device[f"{device.platform}:{device.id}"] += shard.nbytes
+        shards = [shard_info(s) for s in klm.unpack(variable)]
+        first += shards[0][1]
+        for device, nbytes in shards:
+            per_device[device] += nbytes
     return first, max(per_device.values(), default=0)
 
 

@@ -16,9 +16,15 @@ import contextvars
 import functools
 import os
 
+import keras.src.backend as keras_backend
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import tensorflow as keras_tf
 from keras.src.backend.tensorflow import core as keras_tf_core
+from keras.src.backend.tensorflow import distribution_lib as keras_tf_distribution_lib
+from keras.src.backend.tensorflow import random as keras_tf_random
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.models import model as keras_model
 from tensorflow.experimental import dtensor
 
 SHARDING = True
@@ -351,8 +357,6 @@ def _wrap_dropout(original):
         dmesh = _traced_mesh()
         if dmesh is None or rate in (0.0, 1.0):
             return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-        from keras.src.backend.tensorflow import random as keras_tf_random
-
         # tf.nn.experimental.stateless_dropout, op for op, with the noise
         # drawn whole.
         seed = keras_tf_random._cast_seed(keras_tf_random.draw_seed(seed))
@@ -551,8 +555,6 @@ def _wrap_export(original):
 
 
 def install():
-    from keras.src.backend.tensorflow import distribution_lib
-
     # DTensor's pass that combines all-reduces moves the reduction of a
     # gradient past reads of other variables, ignoring the control edges of
     # their assigns: Adam then reads its moments before this step's update
@@ -560,30 +562,27 @@ def install():
     os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
-    distribution_lib.distribute_tensor = _distribute_tensor
-    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+    keras_tf_distribution_lib.distribute_tensor = _distribute_tensor
 
-    Trainer = keras_tf_trainer.TensorFlowTrainer
-    Trainer._make_function = _wrap_make_function(Trainer._make_function)
-    Trainer.make_predict_function = _wrap_make_predict_function(
-        Trainer.make_predict_function)
-    from keras.src.backend.tensorflow import random as keras_tf_random
-
-    for name in ("normal", "uniform", "truncated_normal", "randint"):
-        setattr(keras_tf_random, name, _wrap_random(getattr(keras_tf_random, name)))
-    keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
-    from keras.src.models import model as keras_model
-
-    import keras.src.backend as keras_backend
-    from keras.src.backend import tensorflow as keras_tf
-
-    convert_to_numpy = _wrap_convert_to_numpy(keras_tf_core.convert_to_numpy)
-    for module in (keras_backend, keras_tf, keras_tf_core):
-        module.convert_to_numpy = convert_to_numpy
-    keras_model.Model.export = _wrap_export(keras_model.Model.export)
-    keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
+    # Variables: made as DVariables, assigned, read back to the host.
     Variable = keras_tf_core.Variable
     Variable._initialize = _wrap_initialize(Variable._initialize)
     Variable._direct_assign = _wrap_direct_assign(Variable._direct_assign)
     Variable.numpy = _wrap_numpy(Variable.numpy)
     Variable.__array__ = _array
+    convert_to_numpy = _wrap_convert_to_numpy(keras_tf_core.convert_to_numpy)
+    for module in (keras_backend, keras_tf, keras_tf_core):
+        module.convert_to_numpy = convert_to_numpy
+
+    # Training: steps on the mesh, random draws made whole inside them.
+    Trainer = keras_tf_trainer.TensorFlowTrainer
+    Trainer._make_function = _wrap_make_function(Trainer._make_function)
+    Trainer.make_predict_function = _wrap_make_predict_function(
+        Trainer.make_predict_function)
+    for name in ("normal", "uniform", "truncated_normal", "randint"):
+        setattr(keras_tf_random, name, _wrap_random(getattr(keras_tf_random, name)))
+    keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
+
+    # Models: inputs checked when called eagerly, exported without DTensor.
+    keras_model.Model.export = _wrap_export(keras_model.Model.export)
+    keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
