@@ -51,7 +51,7 @@ __all__ = [
     "unpack",
 ]
 
+_backends.get().install()  # first: the wrappers below call what it patched
 _layer_kwargs.install()
 _metrics.install()
 _trainer.install()
-_backends.get().install()

@@ -135,6 +135,9 @@ def test_batch_on_another_mesh_is_refused(data):
                        r"mesh \{'batch': 8\}, but input 0 is on another mesh "
                        r"\{'batch': 4\}"):
         model(packed)
+    with pytest.raises(ValueError, match=r"model.predict takes host data.*"
+                       r"Received a DTensor of shape \(32, 16\)"):
+        model.predict(packed, verbose=0)
     with pytest.raises(ValueError, match=r"An input is a DTensor on another mesh "
                        r"\{'batch': 4\} than the model's"):
         model.train_on_batch(packed, y[:32])

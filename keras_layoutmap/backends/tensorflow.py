@@ -554,6 +554,30 @@ def _wrap_export(original):
     return export
 
 
+def _wrap_takes_host_data(original):
+    """`fit` / `evaluate` / `predict` pack host data themselves; Keras' data
+    adapters cannot read a DTensor, so say what to pass instead."""
+
+    @functools.wraps(original)
+    def method(self, x=None, *args, **kwargs):
+        from keras.src import tree
+
+        if isinstance(x, (tf.Tensor, dict, list, tuple)):
+            for leaf in tree.flatten(x):
+                if isinstance(leaf, tf.Tensor) and _is_dtensor(leaf):
+                    raise ValueError(
+                        f"model.{original.__name__} takes host data (numpy "
+                        "arrays, tf.data, generators, PyDataset) and packs each "
+                        "batch onto the mesh itself. Received a DTensor of "
+                        f"shape {tuple(leaf.shape)}. Pass the host array, or "
+                        "call the model (or your tf.function step) on the "
+                        "packed tensor."
+                    )
+        return original(self, x, *args, **kwargs)
+
+    return method
+
+
 def install():
     # DTensor's pass that combines all-reduces moves the reduction of a
     # gradient past reads of other variables, ignoring the control edges of
@@ -579,6 +603,8 @@ def install():
     Trainer._make_function = _wrap_make_function(Trainer._make_function)
     Trainer.make_predict_function = _wrap_make_predict_function(
         Trainer.make_predict_function)
+    for name in ("fit", "evaluate", "predict"):
+        setattr(Trainer, name, _wrap_takes_host_data(getattr(Trainer, name)))
     for name in ("normal", "uniform", "truncated_normal", "randint"):
         setattr(keras_tf_random, name, _wrap_random(getattr(keras_tf_random, name)))
     keras_tf_random.dropout = _wrap_dropout(keras_tf_random.dropout)
