@@ -52,39 +52,13 @@ def child(steps, rounds):
 
     import keras
     import numpy as np
+    from common import StepTimer, build_mlp
     from sklearn.datasets import load_digits
 
     imported = time.perf_counter() - started
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.times = []
-            self._start = None
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.times.append(time.perf_counter() - self._start)
-
     def build_model():
-        keras.utils.set_random_seed(SEED)
-        model = keras.Sequential(
-            [
-                keras.Input((FEATURES,)),
-                keras.layers.Dense(HIDDEN, activation="relu", name="d0"),
-                keras.layers.Dense(HIDDEN, activation="relu", name="d1"),
-                keras.layers.Dense(CLASSES, name="head"),
-            ],
-            name="mlp",
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-        return model
+        return build_mlp(SEED, FEATURES, HIDDEN, CLASSES)
 
     digits = load_digits()
     order = np.random.default_rng(SEED).permutation(len(digits.target))

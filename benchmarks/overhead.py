@@ -44,10 +44,10 @@ import keras_layoutmap as klm  # noqa: E402
 klm.configure_virtual_devices(8)
 
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from common import StepTimer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -61,21 +61,6 @@ GOAL = 1.03
 
 MESH_DIMS = [("batch", 4), ("model", 2)]
 COLUMN, ROW = (None, "model"), ("model", None)
-
-
-class StepTimer(keras.callbacks.Callback):
-    """Wall-clock time of every training step."""
-
-    def __init__(self):
-        super().__init__()
-        self.times = []
-        self._start = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def build_model():

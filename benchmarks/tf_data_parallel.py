@@ -64,9 +64,9 @@ klm.configure_virtual_devices(8)
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from common import StepTimer, build_mlp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
@@ -77,21 +77,6 @@ FEATURES, HIDDEN, CLASSES = 64, 512, 10
 GLOBAL_BATCH = 128  # 16 samples per device
 SKIP = 2  # first steps of each fit call: iterator warm-up
 GOAL = 1.1
-
-
-class StepTimer(keras.callbacks.Callback):
-    """Wall-clock time of every training step."""
-
-    def __init__(self):
-        super().__init__()
-        self.times = []
-        self._start = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def make_data(steps):
@@ -107,22 +92,7 @@ def make_data(steps):
 
 
 def build_model():
-    keras.utils.set_random_seed(SEED)
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN, activation="relu", name="d0"),
-            keras.layers.Dense(HIDDEN, activation="relu", name="d1"),
-            keras.layers.Dense(CLASSES, name="head"),
-        ],
-        name="mlp",
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return build_mlp(SEED, FEATURES, HIDDEN, CLASSES)
 
 
 def klm_setup():
