@@ -8,6 +8,8 @@ from keras_layoutmap import backends as _backends
 from keras_layoutmap import layer_kwargs as _layer_kwargs
 from keras_layoutmap import metrics, optimizers
 from keras_layoutmap import metrics as _metrics
+from keras_layoutmap import placement as _placement
+from keras_layoutmap import processes as _processes
 from keras_layoutmap import trainer as _trainer
 from keras_layoutmap.data import copy_to_mesh, distribute, fetch_layout, pack, unpack
 from keras_layoutmap.distributions import (
@@ -25,6 +27,7 @@ from keras_layoutmap.mesh import (
     create_mesh,
     list_devices,
 )
+from keras_layoutmap.processes import initialize
 
 __version__ = "0.1.0"
 
@@ -43,6 +46,7 @@ __all__ = [
     "distribute",
     "distribution",
     "fetch_layout",
+    "initialize",
     "list_devices",
     "metrics",
     "optimizers",
@@ -54,4 +58,6 @@ __all__ = [
 _backends.get().install()  # first: the wrappers below call what it patched
 _layer_kwargs.install()
 _metrics.install()
+_placement.install()
+_processes.install()  # before the trainer wraps save_weights
 _trainer.install()

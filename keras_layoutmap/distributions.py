@@ -106,6 +106,22 @@ class _Resolving:
             raise NotImplementedError(backend.NOT_BUILT)
         return super().scope()
 
+    # Keras' own multi-process data handling (tf.data only, sharded per
+    # process by Keras) is replaced by the backend's: with
+    # `auto_shard_dataset=True` every process passes the same global data
+    # and feeds its own devices' rows of each batch; with False, each passes
+    # its own slice.
+    @property
+    def _is_multi_process(self):
+        return False
+
+    @_is_multi_process.setter
+    def _is_multi_process(self, value):
+        pass
+
+    def distribute_dataset(self, dataset):
+        return dataset
+
     def resolve_variable(self, variable):
         """`(source, layout)` for a variable about to be created."""
         object_path, path = weight_keys(variable)

@@ -38,6 +38,20 @@ def remembered_distribution(layer):
     return layer.__dict__.get("_klm_distribution")
 
 
+def inherited_distribution(layer):
+    """The distribution `layer` or its nearest ancestor was made under: a
+    sublayer made in its parent's `build()`, outside any scope, belongs to
+    the parent's distribution."""
+    node, seen = layer, set()
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        found = remembered_distribution(node)
+        if found is not None:
+            return found
+        node, _ = paths._parent_of(node)
+    return None
+
+
 def _set(layer, name, value):
     object.__setattr__(layer, name, value)
 
@@ -87,7 +101,7 @@ def _wrap_add_weight(original):
         name = kwargs.get("name")
         scope = contextlib.nullcontext()
         if keras_distribution.distribution() is None:
-            remembered = remembered_distribution(self)
+            remembered = inherited_distribution(self)
             if remembered is not None:
                 scope = remembered.scope()
         with creating_weight(self, name), scope:

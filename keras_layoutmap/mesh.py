@@ -27,7 +27,9 @@ def configure_virtual_devices(n):
         raise ValueError(
             f"`n` must be a positive integer number of devices. Received: {n!r}"
         )
-    backends.get().configure_virtual_devices(n)
+    from keras_layoutmap.processes import configure_devices
+
+    configure_devices(n)
 
 
 def list_devices():

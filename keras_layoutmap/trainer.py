@@ -2,9 +2,10 @@
 
 `fit`, `evaluate`, `predict`, the `*_on_batch` methods and
 `save_weights` / `load_weights` run under that distribution even when they
-are called outside its scope. Before they run, any variable of the model that
-is not yet on the mesh (built before the distribution existed) is moved onto
-it, so one model never mixes single-device and mesh-placed state.
+are called outside its scope. Before they run, the model's state is moved to
+where that distribution (or, with none, one device) wants it
+(`placement.place_model`), so one model never mixes placements and can move
+freely between no distribution, one mesh and another.
 """
 
 import functools
@@ -14,6 +15,7 @@ from keras import models as keras_models
 
 from keras_layoutmap import backends
 from keras_layoutmap.layer_kwargs import remembered_distribution
+from keras_layoutmap.placement import place_model
 
 _TRAINING_METHODS = (
     "fit",
@@ -39,20 +41,6 @@ def model_distribution(model):
     return None
 
 
-def place_on_mesh(model, dist):
-    """Give every model variable that has no layout one from `dist`."""
-    backend = backends.get()
-    if not backend.SHARDING:
-        return  # only one-device meshes get here: nothing to place
-    variables = list(model.variables) + list(model.metrics_variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        variables += list(optimizer.variables)
-    for variable in {id(v): v for v in variables}.values():
-        if getattr(variable, "_layout", None) is None:
-            backend.relayout_variable(variable, dist.get_variable_layout(variable))
-
-
 def _check_backend_trains(name, dist):
     backend = backends.get()
     if name in _TRAINING_METHODS and not backend.TRAINING and (
@@ -70,13 +58,14 @@ def _wrap(original):
         if dist is None:
             dist = model_distribution(self)
             if dist is None:
+                place_model(self, None)
                 return original(self, *args, **kwargs)
             _check_backend_trains(name, dist)
             with dist.scope():
-                place_on_mesh(self, dist)
+                place_model(self, dist)
                 return original(self, *args, **kwargs)
         _check_backend_trains(name, dist)
-        place_on_mesh(self, dist)
+        place_model(self, dist)
         return original(self, *args, **kwargs)
 
     method._klm_wrapped = True

@@ -215,3 +215,27 @@ def test_every_variable_on_the_mesh_and_steps_per_execution(digits):
         assert any(v.path.endswith(name) for v in variables), name
     off = [v.path for v in variables if klm.fetch_layout(v).mesh != mesh]
     assert off == []
+
+
+
+def _outcome(call):
+    """What a call on empty data gives: its result, or the kind of error."""
+    try:
+        result = call()
+    except Exception as error:  # one device may fail too; then so must we
+        return "error", type(error).__name__
+    return "ok", getattr(result, "history", result)
+
+
+def test_empty_data_ends_as_on_one_device():
+    # Fault (TensorFlow): with metrics, empty data on a mesh raised
+    # "Cannot get result() since the metric has not yet been built", where
+    # one device returns empty results.
+    x, y = np.zeros((0, 64), "float32"), np.zeros((0,), "int32")
+    plain = build()
+    expected = [_outcome(lambda: plain.evaluate(x, y, verbose=0)),
+                _outcome(lambda: plain.fit(x, y, verbose=0))]
+    model = build()
+    klm.set_distribution(klm.DataParallel(klm.create_mesh([("batch", 8)])))
+    assert [_outcome(lambda: model.evaluate(x, y, verbose=0)),
+            _outcome(lambda: model.fit(x, y, verbose=0))] == expected

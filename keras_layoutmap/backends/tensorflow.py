@@ -30,6 +30,7 @@ from tensorflow.experimental import dtensor
 SHARDING = True
 TRAINING = True
 NOT_BUILT = None
+MULTI_PROCESS = False  # DTensor multi-client: not built yet
 
 
 def configure_virtual_devices(n):
@@ -46,6 +47,18 @@ def configure_virtual_devices(n):
                 f"initialises its devices; it already has {have} logical CPU "
                 "device(s). Call it right after `import keras_layoutmap`."
             ) from None
+
+
+def process_count():
+    return 1
+
+
+def process_index():
+    return 0
+
+
+def barrier(name):
+    pass
 
 
 def list_devices():
@@ -238,9 +251,27 @@ def _make_dvariable(variable, value, layout):
 
 
 def relayout_variable(variable, layout):
+    value = variable.value.read_value()
+    if _is_dtensor(value) and dtensor.fetch_layout(value).mesh != _dmesh(
+            layout.mesh):
+        value = _to_host(value)  # from another mesh: through the host
     variable._layout = layout
-    variable._value = _make_dvariable(variable, variable.value.read_value(),
-                                      layout)
+    variable._value = _make_dvariable(variable, value, layout)
+
+
+def unplace_variable(variable):
+    """Bring a variable back to one device: a plain `tf.Variable` holding the
+    gathered value, as if made with no distribution."""
+    value = _to_host(variable.value.read_value())
+    with tf.init_scope():
+        variable._value = tf.Variable(
+            value, dtype=variable._dtype, trainable=variable.trainable,
+            name=variable.name,
+            aggregation=variable._map_aggregation(variable.aggregation),
+            synchronization=variable._map_synchronization(
+                variable.synchronization),
+        )
+    variable._layout = None
 
 
 def _wrap_initialize(original):
@@ -470,6 +501,15 @@ def _run_step(model, step, data):
         ) from error
 
 
+def _build_for_no_data(model, iterator):
+    """Plain Keras traces its step even for empty data, which builds the
+    compiled metrics and loss; build them from the data's spec instead, so
+    `fit` / `evaluate` on empty data end as they do without a mesh."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is not None:
+        model._symbolic_build(data_batch=spec)
+
+
 def _wrap_make_function(original):
     def _make_function(self, step_function):
         keras_function = original(self, step_function)
@@ -491,6 +531,7 @@ def _wrap_make_function(original):
                     data = next(batches)
                 except StopIteration:
                     if outputs is None:
+                        _build_for_no_data(self, iterator)
                         raise
                     break
                 outputs = _run_step(self, compiled["step"], data)

@@ -10,11 +10,34 @@ TRAINING = False
 
 NOT_BUILT = not_built_message("torch", "the torch backend, not yet filed")
 _unbuilt = not_built(NOT_BUILT)
-fetch_layout = distribute = pack = unpack = relayout_variable = _unbuilt
+fetch_layout = distribute = pack = unpack = _unbuilt
+relayout_variable = unplace_variable = _unbuilt
 
 
 def _world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# A torch mesh spans processes, one device each; no process group is made
+# yet, so every process still computes alone.
+MULTI_PROCESS = True
+
+
+def join(cluster, total_devices=None):
+    if total_devices is not None:
+        configure_virtual_devices(total_devices)
+
+
+def process_count():
+    return 1
+
+
+def process_index():
+    return 0
+
+
+def barrier(name):
+    pass
 
 
 def configure_virtual_devices(n):

@@ -1,0 +1,114 @@
+"""JAX across processes: `jax.distributed` joins them, every batch is built
+as one global array from the global data, and values read on the host are
+gathered from every process.
+
+The data contract (see `klm.DataParallel`): with `auto_shard_dataset=True`
+every process passes the same global data and global `batch_size`, and each
+process places only the rows of its own devices; with `False`, each process
+passes its own slice and the global batch is the processes' slices in
+process order. Either way every step sees one global batch, so a short
+final batch (replicated by the distribution's data layout) is exact.
+"""
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+MULTI_PROCESS = True
+
+
+def set_cpu_devices(n):
+    """Make `n` CPU devices in this process (before JAX starts)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # JAX already initialised its devices; fine if it has what we need.
+        have = len(jax.local_devices(backend="cpu"))
+        if have != n:
+            raise RuntimeError(
+                f"configure_virtual_devices needs {n} CPU device(s) in this "
+                f"process, but JAX already started with {have}. Call it right "
+                "after `import keras_layoutmap`, or set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={n}."
+            ) from None
+
+
+def join(cluster, total_devices=None):
+    """Join `cluster` with `jax.distributed`. With `total_devices` (the
+    CPU devices of the whole run), make `total_devices / num_processes` of
+    them in this process, with collectives over gloo."""
+    local_devices = None
+    if total_devices is not None:
+        count = cluster.num_processes
+        if total_devices % count:
+            fits = [d for d in range(1, total_devices + 1)
+                    if total_devices % d == 0]
+            raise ValueError(
+                f"configure_virtual_devices({total_devices}): {total_devices} "
+                f"devices cannot be spread evenly over the {count} processes "
+                "of this run. Launch a number of processes that divides "
+                f"{total_devices} (one of {fits}): `python -m "
+                f"keras_layoutmap.launch -n {fits[-2] if len(fits) > 1 else 1}"
+                " script.py`."
+            )
+        local_devices = total_devices // count
+    if jax.distributed.is_initialized():
+        if jax.process_count() != cluster.num_processes:
+            raise RuntimeError(
+                f"jax.distributed already runs {jax.process_count()} processes;"
+                f" this run asks for {cluster.num_processes}."
+            )
+        return
+    if local_devices is not None:
+        set_cpu_devices(local_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=cluster.coordinator_address,
+        num_processes=cluster.num_processes,
+        process_id=cluster.process_id,
+        initialization_timeout=120,
+        heartbeat_timeout_seconds=30,
+    )
+
+
+def process_count():
+    return jax.process_count()
+
+
+def process_index():
+    return jax.process_index()
+
+
+def barrier(name):
+    """Wait until every process gets here."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def to_host(value):
+    """A jax.Array as one numpy array, gathered from every process if this
+    process does not hold all of it."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return value
+
+
+def gather_process_batches(local):
+    """Every process's `local` batch, concatenated in process order, on
+    every process (batches may differ in length: the last one of an epoch)."""
+    local = np.asarray(local)
+    sizes = np.asarray(multihost_utils.process_allgather(
+        np.asarray([local.shape[0]], np.int64))).reshape(-1)
+    longest = int(sizes.max())
+    padded = np.zeros((longest, *local.shape[1:]), local.dtype)
+    padded[: local.shape[0]] = local
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    return np.concatenate(
+        [gathered[i, : int(n)] for i, n in enumerate(sizes)], axis=0)
+
+
+def global_array(host, sharding):
+    """A global jax.Array from `host`, the whole value known to every
+    process: each process places only its own devices' pieces."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])

@@ -1,0 +1,202 @@
+"""Several processes, one mesh: joining the backend's multi-process runtime.
+
+A mesh may span processes: `python -m keras_layoutmap.launch -n P script.py`
+on one machine, or a cluster's scheduler starting one process per host. Each
+process runs the same script with the same data; `klm.configure_virtual_devices(n)`
+makes `n / P` devices in each and joins them (JAX: `jax.distributed`), and
+`klm.initialize()` joins a real cluster's devices.
+
+Where a process finds the cluster, first found wins:
+
+- arguments to `klm.initialize(coordinator_address, num_processes, process_id)`;
+- the launcher's (and torchrun's) `MASTER_ADDR`, `MASTER_PORT`,
+  `WORLD_SIZE`, `RANK`;
+- Keras' `KERAS_DISTRIBUTION_JOB_ADDRESSES` (comma-separated, the first is
+  the coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES`,
+  `KERAS_DISTRIBUTION_PROCESS_ID`.
+
+Example:
+
+>>> from keras_layoutmap.processes import Cluster, cluster_from_environment
+>>> cluster_from_environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+...                           "WORLD_SIZE": "2", "RANK": "1"})
+Cluster(coordinator_address='127.0.0.1:29500', num_processes=2, process_id=1)
+>>> cluster_from_environment({}) is None
+True
+"""
+
+import dataclasses
+import functools
+import os
+import tempfile
+
+from keras_layoutmap import backends
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where the coordinator is, how many processes, and which one this is."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+    def __post_init__(self):
+        if self.num_processes < 1:
+            raise ValueError(
+                f"num_processes must be at least 1. Received: {self.num_processes}"
+            )
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"process_id must be in [0, {self.num_processes}). Received: "
+                f"{self.process_id}"
+            )
+
+
+def _int(environ, name):
+    value = environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be an integer. Received: "
+            f"{value!r}"
+        ) from None
+
+
+def cluster_from_environment(environ=None):
+    """The `Cluster` the environment describes, or None outside one."""
+    environ = os.environ if environ is None else environ
+    world = _int(environ, "WORLD_SIZE")
+    if world is not None:
+        rank = _int(environ, "RANK")
+        address = environ.get("MASTER_ADDR", "127.0.0.1")
+        port = environ.get("MASTER_PORT")
+        if rank is None or port is None:
+            raise ValueError(
+                f"WORLD_SIZE={world} is set, but RANK or MASTER_PORT is not: "
+                "start the script with `python -m keras_layoutmap.launch -n "
+                f"{world} script.py` (or torchrun), which sets all of them."
+            )
+        return Cluster(f"{address}:{port}", world, rank)
+    jobs = environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    if jobs:
+        addresses = [a.strip() for a in jobs.split(",") if a.strip()]
+        count = _int(environ, "KERAS_DISTRIBUTION_NUM_PROCESSES") or len(addresses)
+        index = _int(environ, "KERAS_DISTRIBUTION_PROCESS_ID")
+        if index is None:
+            raise ValueError(
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES is set but "
+                "KERAS_DISTRIBUTION_PROCESS_ID is not: set this process's id."
+            )
+        return Cluster(addresses[0], count, index)
+    return None
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None):
+    """Join the backend's multi-process runtime (call it once, first).
+
+    Missing arguments are read from the environment (see the module
+    docstring). The local devices are the ones the runtime finds (on a CPU
+    machine, call `klm.configure_virtual_devices` instead: it makes the
+    devices and joins). Returns the `Cluster` joined, or None when there is
+    no cluster to join (one process).
+    """
+    found = cluster_from_environment()
+    if coordinator_address is None and found is not None:
+        coordinator_address = found.coordinator_address
+    if num_processes is None and found is not None:
+        num_processes = found.num_processes
+    if process_id is None and found is not None:
+        process_id = found.process_id
+    if num_processes in (None, 1) and coordinator_address is None:
+        return None
+    missing = [name for name, value in (
+        ("coordinator_address", coordinator_address),
+        ("num_processes", num_processes),
+        ("process_id", process_id)) if value is None]
+    if missing:
+        raise ValueError(
+            f"klm.initialize needs {', '.join(missing)}: pass them, or set the "
+            "launcher's (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) or "
+            "Keras' KERAS_DISTRIBUTION_* variables."
+        )
+    cluster = Cluster(str(coordinator_address), int(num_processes), int(process_id))
+    backend = backends.get()
+    _check_multi_process(backend)
+    backend.join(cluster, total_devices=None)
+    return cluster
+
+
+def configure_devices(n):
+    """`klm.configure_virtual_devices(n)`: `n` devices in all, spread over
+    the processes of the cluster the environment describes."""
+    cluster = cluster_from_environment()
+    backend = backends.get()
+    if cluster is None or cluster.num_processes == 1:
+        backend.configure_virtual_devices(n)
+        return
+    _check_multi_process(backend)
+    backend.join(cluster, total_devices=n)
+
+
+def _check_multi_process(backend):
+    if not backend.MULTI_PROCESS:
+        raise NotImplementedError(
+            f"A mesh across processes is not built yet for the "
+            f"{backends.name()} backend. Run one process "
+            "(klm.configure_virtual_devices(n) makes n devices in it), or use "
+            "KERAS_BACKEND=jax for several processes today."
+        )
+
+
+def process_count():
+    """How many processes share the mesh (1 without a cluster)."""
+    return backends.get().process_count()
+
+
+def process_index():
+    """This process's index, 0 to `process_count() - 1`."""
+    return backends.get().process_index()
+
+
+def _one_writer(save):
+    """`model.save_weights` / `model.save` called on every process write one
+    file: process 0 writes it, the others (which must still take part in
+    gathering the sharded values) write to a scratch file that is deleted;
+    every process returns once the file is complete."""
+
+    @functools.wraps(save)
+    def method(self, filepath, *args, **kwargs):
+        backend = backends.get()
+        if backend.process_count() == 1:
+            return save(self, filepath, *args, **kwargs)
+        if backend.process_index() == 0:
+            result = save(self, filepath, *args, **kwargs)
+        else:
+            name = os.path.basename(str(filepath))
+            with tempfile.TemporaryDirectory() as scratch:
+                result = save(self, os.path.join(scratch, name), *args, **kwargs)
+        backend.barrier(f"klm_{save.__name__}")
+        return result
+
+    return method
+
+
+_INSTALLED = False
+
+
+def install():
+    """Make `Model.save_weights` and `Model.save` write once across
+    processes (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from keras import models as keras_models
+
+    for name in ("save_weights", "save"):
+        setattr(keras_models.Model, name,
+                _one_writer(getattr(keras_models.Model, name)))
+    _INSTALLED = True

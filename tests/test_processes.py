@@ -1,0 +1,151 @@
+"""A mesh across processes: `python -m keras_layoutmap.launch -n 2` runs one
+script in two processes of 4 devices each, and training equals one device."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_layoutmap import backends
+from keras_layoutmap.processes import Cluster, cluster_from_environment
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+MULTI_PROCESS = backends.get().MULTI_PROCESS and backends.name() == "jax"
+
+
+def launch(n, *args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n), *map(str, args)],
+        capture_output=True, text=True, timeout=timeout)
+
+
+# -- where a process finds its cluster (backend-neutral) --------------------
+
+def test_cluster_from_the_launcher_environment():
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "WORLD_SIZE": "4",
+           "RANK": "3"}
+    assert cluster_from_environment(env) == Cluster("127.0.0.1:1234", 4, 3)
+
+
+def test_cluster_from_keras_environment():
+    env = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234,10.0.0.2:1234",
+           "KERAS_DISTRIBUTION_PROCESS_ID": "1"}
+    assert cluster_from_environment(env) == Cluster("10.0.0.1:1234", 2, 1)
+
+
+def test_no_cluster_outside_a_launcher():
+    assert cluster_from_environment({}) is None
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"WORLD_SIZE": "2"}, "RANK or MASTER_PORT"),
+    ({"WORLD_SIZE": "two", "RANK": "0", "MASTER_PORT": "1"}, "WORLD_SIZE must be"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_PORT": "1"},
+     r"process_id must be in \[0, 2\)"),
+    ({"KERAS_DISTRIBUTION_JOB_ADDRESSES": "a:1,b:1"}, "PROCESS_ID"),
+])
+def test_bad_cluster_environment_says_what_is_wrong(env, match):
+    with pytest.raises(ValueError, match=match):
+        cluster_from_environment(env)
+
+
+# -- several processes -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    result = launch(2, WORKERS / "parity.py", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out, ranks
+
+
+def max_difference(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(a, b))
+
+
+def assert_run_matches(run, weights, history):
+    assert max_difference(run["weights"], weights) < 2e-6
+    for key in history:
+        np.testing.assert_allclose(run["history"][key], history[key], rtol=1e-5,
+                                   atol=1e-6, err_msg=key)
+
+
+pytestmark_mp = pytest.mark.skipif(
+    not MULTI_PROCESS, reason="a mesh across processes is built for JAX only: "
+    "on TensorFlow test_other_backends_refuse_several_processes checks the "
+    "refusal; torch places nothing on a mesh yet")
+
+
+@pytestmark_mp
+@pytest.mark.parametrize("name", ["data_parallel", "model_parallel"])
+def test_global_data_trains_as_one_device(parity, name):
+    _, ranks = parity
+    for rank in ranks:
+        assert rank["count"] == 2 and rank["devices"] == 8
+        run, reference = rank["runs"][name], rank["reference"]
+        assert_run_matches(run, reference["weights"], reference["history"])
+        np.testing.assert_allclose(run["evaluate"], reference["evaluate"],
+                                   rtol=1e-5)
+        # predict returns every row to every process
+        assert np.shape(run["predict"]) == np.shape(reference["predict"])
+        np.testing.assert_allclose(run["predict"], reference["predict"],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytestmark_mp
+def test_model_axis_spans_processes(parity):
+    _, ranks = parity
+    for rank in ranks:
+        run = rank["runs"]["model_parallel"]
+        assert run["kernel_layout"] == ["unsharded", "model"]
+        assert run["local_devices"] == 4
+
+
+@pytestmark_mp
+def test_own_slices_with_short_batches_train_as_one_device(parity):
+    # Fault: a short last local batch silently desynchronised the processes.
+    _, ranks = parity
+    for rank in ranks:
+        run = rank["runs"]["own_slices"]
+        assert_run_matches(run, run["reference_weights"], run["reference_history"])
+    assert max_difference(ranks[0]["runs"]["own_slices"]["weights"],
+                          ranks[1]["runs"]["own_slices"]["weights"]) == 0
+
+
+@pytestmark_mp
+def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
+    out, ranks = parity
+    saved = json.loads((out / "files0.json").read_text())
+    assert saved.count("weights.weights.h5") == 1
+    assert not [f for f in saved if f.endswith(".h5") and f != "weights.weights.h5"]
+    for rank in ranks:
+        assert max_difference(rank["runs"]["restored_data_parallel"],
+                              rank["runs"]["model_parallel"]["weights"]) == 0
+
+
+@pytestmark_mp
+def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
+    script = tmp_path / "three.py"
+    script.write_text("import keras_layoutmap as klm\n"
+                      "klm.configure_virtual_devices(8)\n")
+    result = launch(3, script, timeout=120)
+    assert result.returncode != 0
+    assert "cannot be spread evenly over the 3 processes" in result.stderr
+    assert "keras_layoutmap.launch -n 4" in result.stderr
+
+
+@pytest.mark.skipif(MULTI_PROCESS or backends.name() == "torch",
+                    reason="JAX runs a mesh across processes; torch checks only "
+                    "the world size (tests/test_devices_launch.py)")
+def test_other_backends_refuse_several_processes(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text("import keras_layoutmap as klm\n"
+                      "klm.configure_virtual_devices(8)\n")
+    result = launch(2, script, timeout=120)
+    assert result.returncode != 0
+    assert "A mesh across processes is not built yet" in result.stderr

@@ -1,0 +1,107 @@
+"""Run by tests/test_processes.py under `python -m keras_layoutmap.launch -n 2`:
+trains one model on a mesh of 8 devices spread over the processes, and the
+same model on one device in this process, then writes what it saw to
+OUT/rank<i>.json for the test to compare.
+
+Usage: parity.py OUT
+"""
+
+import json
+import os
+import sys
+
+import keras_layoutmap as klm
+
+klm.configure_virtual_devices(8)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+out = sys.argv[1]
+rank = klm.processes.process_index()
+count = klm.processes.process_count()
+x, y = load_digits(return_X_y=True)
+x, y = (x[:200] / 16.0).astype("float32"), y[:200].astype("int32")
+BATCH = 64  # the last global batch of an epoch holds 8 rows
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="d1"),
+        keras.layers.Dense(10, name="d2"),
+    ], name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def train(model, x, y, batch):
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                        verbose=0).history
+    return {
+        "history": {k: [float(v) for v in vs] for k, vs in history.items()},
+        "evaluate": [float(v) for v in model.evaluate(x, y, batch_size=batch,
+                                                      verbose=0)],
+        "predict": model.predict(x, batch_size=batch, verbose=0).tolist(),
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
+
+
+reference = train(build(), x, y, BATCH)
+
+# The model axis spans the processes: each "model" pair joins a device of
+# process 0 with one of process 1.
+mesh_mp = klm.create_mesh([("model", 2), ("batch", 4)])
+layout_map = klm.LayoutMap(mesh_mp)
+layout_map[r"d1\.kernel"] = (None, "model")
+layout_map[r"d2\.kernel"] = ("model", None)
+runs = {}
+dp = klm.DataParallel(klm.create_mesh([("batch", 8)]))
+klm.set_distribution(dp)
+runs["data_parallel"] = train(build(), x, y, BATCH)
+klm.set_distribution(None)
+with layout_map.scope():
+    model_parallel = build()
+runs["model_parallel"] = train(model_parallel, x, y, BATCH)
+kernel = klm.fetch_layout(model_parallel.layers[0].kernel)
+runs["model_parallel"]["kernel_layout"] = kernel.sharding_specs
+runs["model_parallel"]["local_devices"] = kernel.mesh.num_local_devices()
+
+# Each process passes its own slice, with a per-process batch size.
+local = klm.DataParallel(klm.create_mesh([("batch", 8)]), auto_shard_dataset=False)
+klm.set_distribution(local)
+rows = slice(rank * len(x) // count, (rank + 1) * len(x) // count)
+runs["own_slices"] = train(build(), x[rows], y[rows], BATCH // count)
+klm.set_distribution(None)
+# The global batches are the processes' local batches side by side: the
+# same global batches, in one process, are the reference.
+per = len(x) // count
+order = np.concatenate([
+    np.arange(p * per + start, p * per + min(start + BATCH // count, per))
+    for start in range(0, per, BATCH // count) for p in range(count)])
+reference_slices = train(build(), x[order], y[order], BATCH)
+runs["own_slices"]["reference_weights"] = reference_slices["weights"]
+runs["own_slices"]["reference_history"] = reference_slices["history"]
+runs["own_slices"].pop("predict")  # this process's rows only
+runs["own_slices"].pop("evaluate")
+
+# One file written once, loadable on another mesh and on one device.
+path = os.path.join(out, "weights.weights.h5")
+model_parallel.save_weights(path)
+with open(os.path.join(out, f"files{rank}.json"), "w") as f:
+    json.dump(sorted(os.listdir(out)), f)
+klm.set_distribution(dp)
+restored = build()
+restored.load_weights(path)
+runs["restored_data_parallel"] = [w.tolist() for w in restored.get_weights()]
+klm.set_distribution(None)
+
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"count": count, "devices": len(klm.list_devices()),
+               "reference": reference, "runs": runs}, f)
