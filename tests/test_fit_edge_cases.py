@@ -63,14 +63,27 @@ def build_under(kind):
         return build()
 
 
-def assert_same(model, reference, history=None, ref_history=None, rtol=1e-5,
+_ONE_DEVICE = {}
+
+
+def one_device(key, run):
+    """`run` on a one-device model: (its weights, what `run` returned).
+    Trained once per key, for the data- and the model-parallel case."""
+    if key not in _ONE_DEVICE:
+        model = build()
+        result = run(model)
+        _ONE_DEVICE[key] = ([np.asarray(w) for w in model.get_weights()], result)
+    return _ONE_DEVICE[key]
+
+
+def assert_same(model, ref_weights, history=None, ref_history=None, rtol=1e-5,
                 atol=2e-6, loss_rtol=1e-5):
     if history is not None:
         assert history.keys() == ref_history.keys()
         for key in history:
             np.testing.assert_allclose(history[key], ref_history[key], rtol=loss_rtol,
                                        err_msg=key)
-    weights, ref_weights = model.get_weights(), reference.get_weights()
+    weights = model.get_weights()
     assert len(weights) == len(ref_weights)
     for a, b in zip(weights, ref_weights):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
@@ -119,15 +132,22 @@ def build_under(kind):
         return build()
 
 
-class KillMidEpoch(keras.callbacks.Callback):
-    """SIGKILL at the 4th batch of the 3rd epoch: the backup holds epochs 1-2."""
+class StopMidEpoch(keras.callbacks.Callback):
+    """At the 4th batch of the 3rd epoch, when the backup holds epochs 1-2:
+    SIGKILL, or an exception to carry on in this process."""
+
+    def __init__(self, kill):
+        super().__init__()
+        self.kill = kill
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 2 and batch == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise KeyboardInterrupt
 
 
 def fit(model, backup, *callbacks):
@@ -138,8 +158,12 @@ def fit(model, backup, *callbacks):
 
 
 if mode == "kill":
-    kind = sys.argv[3]
-    fit(build_under(kind), kind, KillMidEpoch())
+    # Both backups end with this process (one start-up saved).
+    try:
+        fit(build_under("model_parallel"), "model_parallel", StopMidEpoch(False))
+    except KeyboardInterrupt:
+        pass
+    fit(build_under("data_parallel"), "data_parallel", StopMidEpoch(True))
     sys.exit("the training was not killed")
 
 # Resume both backups under DataParallel; train once more uninterrupted.
@@ -170,11 +194,11 @@ def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
     np.savez(tmp_path / "data.npz", x=x, y=y)
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
+    killed = _run(script, "kill", tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     for kind in DISTRIBUTIONS:
-        killed = _run(script, "kill", tmp_path, kind)
-        assert killed.returncode == -signal.SIGKILL, (kind, killed.stderr[-3000:])
         metadata = json.loads((tmp_path / kind / "training_metadata.json").read_text())
-        assert metadata["epoch"] == 2, metadata  # killed during the 3rd epoch
+        assert metadata["epoch"] == 2, (kind, metadata)  # stopped in the 3rd epoch
     resumed = _run(script, "resume", tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
@@ -207,9 +231,10 @@ def test_batch_of_three_on_eight_devices(digits):
                               return_dict=True)
         return history.history, logs, model.predict(x[:7], batch_size=3, verbose=0)
 
-    ref_history, ref_logs, ref_pred = run(reference := build())
+    reference = build()
+    ref_history, ref_logs, ref_pred = run(reference)
     history, logs, pred = run(model := build_under("data_parallel"))
-    assert_same(model, reference, history, ref_history)
+    assert_same(model, reference.get_weights(), history, ref_history)
     for key in ref_logs:
         np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
     assert pred.shape == (7, 10)
@@ -238,9 +263,9 @@ def test_generator_with_varying_batch_sizes(kind, digits):
                               return_dict=True)
         return history.history, logs
 
-    ref_history, ref_logs = run(reference := build())
+    ref_weights, (ref_history, ref_logs) = one_device("varying", run)
     history, logs = run(model := build_under(kind))
-    assert_same(model, reference, history, ref_history)
+    assert_same(model, ref_weights, history, ref_history)
     for key in ref_logs:
         np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
 
@@ -260,21 +285,21 @@ def test_sample_and_class_weights(kind, weighting, digits):
     """Weighted loss and weighted metrics; the last batch (14 rows) is padded
     to fill the batch shards, and its padding must weigh nothing."""
     x, y = digits
-    weights = {weighting: _weights(y, weighting)}
 
-    def run(model):
+    def fit(model, **weights):
         return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                          **weights).history
 
-    ref_history = run(reference := build())
+    def run(model):
+        return fit(model, **{weighting: _weights(y, weighting)})
+
+    ref_weights, ref_history = one_device(weighting, run)
     history = run(model := build_under(kind))
     assert "weighted_accuracy" in history
-    assert_same(model, reference, history, ref_history)
+    assert_same(model, ref_weights, history, ref_history)
     # The weights changed the training: not a test that ignores them.
-    unweighted = build()
-    unweighted.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert not np.allclose(unweighted.get_weights()[0], model.get_weights()[0],
-                           rtol=1e-3, atol=1e-4)
+    unweighted, _ = one_device("unweighted", fit)
+    assert not np.allclose(unweighted[0], ref_weights[0], rtol=1e-3, atol=1e-4)
 
 
 # -- Mixed precision -------------------------------------------------------------
@@ -299,7 +324,7 @@ def test_mixed_precision(kind, mixed_policy, digits):
         return model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                          verbose=0).history
 
-    ref_history = run(reference := build())
+    ref_weights, ref_history = one_device(mixed_policy, run)
     history = run(model := build_under(kind))
     # Variables stay float32; the layers compute in the half type.
     dense = model.get_layer("d1")
@@ -332,4 +357,4 @@ def test_mixed_precision(kind, mixed_policy, digits):
         else:
             np.testing.assert_allclose(history[key], ref_history[key],
                                        rtol=loss_rtol, err_msg=key)
-    assert_same(model, reference, rtol=0, atol=weight_atol)
+    assert_same(model, ref_weights, rtol=0, atol=weight_atol)
