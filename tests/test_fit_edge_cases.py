@@ -1,0 +1,360 @@
+"""`model.fit` on a mesh under faults and odd input, each checked against one
+device from the same seed: a process killed mid-epoch and resumed with
+BackupAndRestore (also a model-parallel backup resumed data-parallel), a batch
+smaller than the batch axis, sample and class weights, batches of varying
+size from a Python generator, and mixed precision."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import keras_layoutmap as klm
+
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
+
+BATCH = 64  # 590 rows: the last batch of an epoch holds 14, which 8 and 4 do not divide
+ROWS = 590
+DISTRIBUTIONS = ("data_parallel", "model_parallel")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = load_digits(return_X_y=True)
+    return (x[:ROWS] / 16.0).astype("float32"), y[:ROWS].astype("int32")
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    outputs = keras.layers.Dense(10, name="d2")(x)
+    model = keras.Model(inputs, outputs, name="net")
+    model.compile(
+        # Not Adam: it divides each gradient by its own size, so a gradient
+        # scaled wrongly (summed over devices, loss scale left in, padding
+        # counted) would barely show in the weights.
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+    )
+    return model
+
+
+def build_under(kind):
+    """The model built on one device, under DataParallel(8) or under
+    ModelParallel on a (batch 4, model 2) mesh."""
+    if kind == "data_parallel":
+        with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
+            return build()
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    lm[r"d1\.bias"] = ("model",)
+    lm[r"d2\.kernel"] = ("model", None)
+    with lm.scope():
+        return build()
+
+
+_ONE_DEVICE = {}
+
+
+def one_device(key, run):
+    """`run` on a one-device model: (its weights, what `run` returned).
+    Trained once per key, for the data- and the model-parallel case."""
+    if key not in _ONE_DEVICE:
+        model = build()
+        result = run(model)
+        _ONE_DEVICE[key] = ([np.asarray(w) for w in model.get_weights()], result)
+    return _ONE_DEVICE[key]
+
+
+def assert_same(model, ref_weights, history=None, ref_history=None, rtol=1e-5,
+                atol=2e-6, loss_rtol=1e-5):
+    if history is not None:
+        assert history.keys() == ref_history.keys()
+        for key in history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=loss_rtol,
+                                       err_msg=key)
+    weights = model.get_weights()
+    assert len(weights) == len(ref_weights)
+    for a, b in zip(weights, ref_weights):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# -- BackupAndRestore across a SIGKILL ----------------------------------------
+
+# Run in a fresh process, as a user's script would: KERAS_BACKEND comes from
+# the environment and configure_virtual_devices is the first call.
+_SCRIPT = r'''
+import os, signal, sys
+import keras_layoutmap as klm
+klm.configure_virtual_devices(8)
+import keras
+import numpy as np
+
+mode, workdir = sys.argv[1], sys.argv[2]
+data = np.load(os.path.join(workdir, "data.npz"))
+x, y = data["x"], data["y"]
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    h = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    outputs = keras.layers.Dense(10, name="d2")(h)
+    model = keras.Model(inputs, outputs, name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def build_under(kind):
+    if kind == "data_parallel":
+        with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
+            return build()
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    lm[r"d1\.bias"] = ("model",)
+    lm[r"d2\.kernel"] = ("model", None)
+    with lm.scope():
+        return build()
+
+
+class StopMidEpoch(keras.callbacks.Callback):
+    """At the 4th batch of the 3rd epoch, when the backup holds epochs 1-2:
+    SIGKILL, or an exception to carry on in this process."""
+
+    def __init__(self, kill):
+        super().__init__()
+        self.kill = kill
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 2 and batch == 3:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise KeyboardInterrupt
+
+
+def fit(model, backup, *callbacks):
+    return model.fit(
+        x, y, batch_size=64, epochs=4, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(os.path.join(workdir, backup)),
+                   *callbacks])
+
+
+if mode == "kill":
+    # Both backups end with this process (one start-up saved).
+    try:
+        fit(build_under("model_parallel"), "model_parallel", StopMidEpoch(False))
+    except KeyboardInterrupt:
+        pass
+    fit(build_under("data_parallel"), "data_parallel", StopMidEpoch(True))
+    sys.exit("the training was not killed")
+
+# Resume both backups under DataParallel; train once more uninterrupted.
+out = {}
+for name, backup in (("resumed", "data_parallel"),
+                     ("resumed_from_mp", "model_parallel"),
+                     ("uninterrupted", "uninterrupted")):
+    model = build_under("data_parallel")
+    history = fit(model, backup)
+    out[name + "_epochs"] = np.array(len(history.history["loss"]))
+    for i, w in enumerate(model.get_weights()):
+        out[f"{name}_{i}"] = np.asarray(w)
+np.savez(os.path.join(workdir, "out.npz"), **out)
+'''
+
+
+def _run(script, *args, timeout=240):
+    # Import the same keras_layoutmap as this process does.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
+    x, y = digits
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    killed = _run(script, "kill", tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    for kind in DISTRIBUTIONS:
+        metadata = json.loads((tmp_path / kind / "training_metadata.json").read_text())
+        assert metadata["epoch"] == 2, (kind, metadata)  # stopped in the 3rd epoch
+    resumed = _run(script, "resume", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    assert out["uninterrupted_epochs"] == 4
+    assert out["resumed_epochs"] == out["resumed_from_mp_epochs"] == 2  # epochs 3-4
+    count = sum(key.startswith("uninterrupted_") for key in out.files) - 1
+    assert count == 4  # two kernels, two biases
+    for i in range(count):
+        expected = out[f"uninterrupted_{i}"]
+        # Same mesh, same backup: the same numbers to the last bit.
+        np.testing.assert_array_equal(out[f"resumed_{i}"], expected)
+        # Epochs 1-2 ran model-parallel: equal up to float rounding.
+        np.testing.assert_allclose(out[f"resumed_from_mp_{i}"], expected,
+                                   rtol=1e-5, atol=2e-6)
+    # Training finished: the backup is gone.
+    assert not (tmp_path / "data_parallel").exists()
+    assert not (tmp_path / "model_parallel").exists()
+
+
+# -- Odd batches ---------------------------------------------------------------
+
+
+def test_batch_of_three_on_eight_devices(digits):
+    """Every batch holds fewer rows than the batch axis has devices."""
+    x, y = digits[0][:48], digits[1][:48]
+
+    def run(model):
+        history = model.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+        logs = model.evaluate(x[:21], y[:21], batch_size=3, verbose=0,
+                              return_dict=True)
+        return history.history, logs, model.predict(x[:7], batch_size=3, verbose=0)
+
+    reference = build()
+    ref_history, ref_logs, ref_pred = run(reference)
+    history, logs, pred = run(model := build_under("data_parallel"))
+    assert_same(model, reference.get_weights(), history, ref_history)
+    for key in ref_logs:
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
+    assert pred.shape == (7, 10)
+    np.testing.assert_allclose(pred, ref_pred, rtol=1e-5, atol=1e-6)
+
+
+SIZES = (64, 3, 40)  # full; 3 rows on 8 (or 4) batch shards; 40 rows, not a full batch
+
+
+def _varying_batches(x, y):
+    while True:
+        start = 0
+        for size in SIZES:
+            yield x[start:start + size], y[start:start + size]
+            start += size
+
+
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+def test_generator_with_varying_batch_sizes(kind, digits):
+    x, y = digits
+
+    def run(model):
+        history = model.fit(_varying_batches(x, y), steps_per_epoch=len(SIZES),
+                            epochs=2, verbose=0)
+        logs = model.evaluate(_varying_batches(x, y), steps=len(SIZES), verbose=0,
+                              return_dict=True)
+        return history.history, logs
+
+    ref_weights, (ref_history, ref_logs) = one_device("varying", run)
+    history, logs = run(model := build_under(kind))
+    assert_same(model, ref_weights, history, ref_history)
+    for key in ref_logs:
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
+
+
+# -- Weighted samples ------------------------------------------------------------
+
+
+def _weights(y, weighting):
+    if weighting == "sample_weight":
+        return np.random.default_rng(0).uniform(0.1, 2.0, len(y)).astype("float32")
+    return {label: 0.2 + 0.3 * label for label in range(10)}
+
+
+@pytest.mark.parametrize("weighting", ["sample_weight", "class_weight"])
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+def test_sample_and_class_weights(kind, weighting, digits):
+    """Weighted loss and weighted metrics; the last batch (14 rows) is padded
+    to fill the batch shards, and its padding must weigh nothing."""
+    x, y = digits
+
+    def fit(model, **weights):
+        return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                         **weights).history
+
+    def run(model):
+        return fit(model, **{weighting: _weights(y, weighting)})
+
+    ref_weights, ref_history = one_device(weighting, run)
+    history = run(model := build_under(kind))
+    assert "weighted_accuracy" in history
+    assert_same(model, ref_weights, history, ref_history)
+    # The weights changed the training: not a test that ignores them.
+    unweighted, _ = one_device("unweighted", fit)
+    assert not np.allclose(unweighted[0], ref_weights[0], rtol=1e-3, atol=1e-4)
+
+
+# -- Mixed precision -------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("mixed_policy", ["mixed_float16", "mixed_bfloat16"],
+                         indirect=True)
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+def test_mixed_precision(kind, mixed_policy, digits):
+    x, y = digits
+
+    def run(model):
+        return model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                         verbose=0).history
+
+    ref_weights, ref_history = one_device(mixed_policy, run)
+    history = run(model := build_under(kind))
+    # Variables stay float32; the layers compute in the half type.
+    dense = model.get_layer("d1")
+    assert dense.kernel.dtype == "float32"
+    assert dense.compute_dtype == mixed_policy.split("_")[1]
+    if mixed_policy == "mixed_float16":
+        # compile wraps the optimizer in a LossScaleOptimizer, whose scale
+        # and step counter must live on the mesh like every other variable.
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    mesh = klm.fetch_layout(dense.kernel).mesh
+    assert all(klm.fetch_layout(v).mesh == mesh for v in model.optimizer.variables)
+    # Split over devices, the sums over the batch (gradients) and over the
+    # model axis (d2's matmul) are added in another order, and rounded to
+    # the half type in between: float16 keeps 11 significant bits (one
+    # rounding ~5e-4 relative), bfloat16 only 8 (~4e-3). Ten SGD steps of
+    # lr 0.1 carry these into the float32 weights (measured worst case:
+    # 8e-4 for float16, 1.8e-3 for bfloat16, TensorFlow); the tolerances
+    # leave a factor of ~3. The loss, a mean over 64 rows, drifts far less
+    # (measured <= 2e-5 relative). Accuracy counts argmaxes: a near-tie among
+    # the logits can flip a few of the 590 rows (measured: 6 in bfloat16).
+    weight_atol, loss_rtol, accuracy_atol = {
+        "mixed_float16": (2.5e-3, 1e-4, 5 / ROWS),
+        "mixed_bfloat16": (5e-3, 1e-4, 15 / ROWS),
+    }[mixed_policy]
+    assert history.keys() == ref_history.keys()
+    for key in history:
+        if key.endswith("accuracy"):
+            np.testing.assert_allclose(history[key], ref_history[key],
+                                       atol=accuracy_atol, err_msg=key)
+        else:
+            np.testing.assert_allclose(history[key], ref_history[key],
+                                       rtol=loss_rtol, err_msg=key)
+    assert_same(model, ref_weights, rtol=0, atol=weight_atol)
