@@ -13,7 +13,7 @@ from keras_layoutmap import backends
 from keras_layoutmap.processes import Cluster, cluster_from_environment
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
-MULTI_PROCESS = backends.get().MULTI_PROCESS and backends.name() == "jax"
+MULTI_PROCESS = backends.name() in ("jax", "tensorflow")
 
 
 def launch(n, *args, timeout=300):
@@ -76,9 +76,8 @@ def assert_run_matches(run, weights, history):
 
 
 pytestmark_mp = pytest.mark.skipif(
-    not MULTI_PROCESS, reason="a mesh across processes is built for JAX only: "
-    "on TensorFlow test_other_backends_refuse_several_processes checks the "
-    "refusal; torch places nothing on a mesh yet")
+    not MULTI_PROCESS, reason="torch places nothing on a mesh yet; "
+    "test_torch_needs_one_process_per_device checks what it does")
 
 
 @pytestmark_mp
@@ -139,13 +138,12 @@ def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
     assert "keras_layoutmap.launch -n 4" in result.stderr
 
 
-@pytest.mark.skipif(MULTI_PROCESS or backends.name() == "torch",
-                    reason="JAX runs a mesh across processes; torch checks only "
-                    "the world size (tests/test_devices_launch.py)")
-def test_other_backends_refuse_several_processes(tmp_path):
+@pytest.mark.skipif(backends.name() != "torch",
+                    reason="JAX and TensorFlow put several devices in a process")
+def test_torch_needs_one_process_per_device(tmp_path):
     script = tmp_path / "two.py"
     script.write_text("import keras_layoutmap as klm\n"
                       "klm.configure_virtual_devices(8)\n")
     result = launch(2, script, timeout=120)
     assert result.returncode != 0
-    assert "A mesh across processes is not built yet" in result.stderr
+    assert "keras_layoutmap.launch -n 8" in result.stderr

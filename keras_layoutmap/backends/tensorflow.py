@@ -27,46 +27,39 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.models import model as keras_model
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow_processes import (  # noqa: F401
+    MULTI_PROCESS,
+    barrier,
+    device_spec,
+    gather_process_batches,
+    global_device_count,
+    join,
+    local_ids,
+    process_count,
+    process_index,
+    set_cpu_devices,
+)
+
 SHARDING = True
 TRAINING = True
 NOT_BUILT = None
-MULTI_PROCESS = False  # DTensor multi-client: not built yet
 
 
 def configure_virtual_devices(n):
-    cpus = tf.config.list_physical_devices("CPU")
-    try:
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
-        )
-    except RuntimeError:
-        have = len(tf.config.list_logical_devices("CPU"))
-        if have != n:
-            raise RuntimeError(
-                f"configure_virtual_devices({n}) must run before TensorFlow "
-                f"initialises its devices; it already has {have} logical CPU "
-                "device(s). Call it right after `import keras_layoutmap`."
-            ) from None
-
-
-def process_count():
-    return 1
-
-
-def process_index():
-    return 0
-
-
-def barrier(name):
-    pass
+    set_cpu_devices(n)
 
 
 def list_devices():
-    return [f"cpu:{i}" for i, _ in enumerate(tf.config.list_logical_devices("CPU"))]
+    return [f"cpu:{i}" for i in range(global_device_count())]
+
+
+def _device_id(name):
+    return int(str(name).rpartition(":")[2])
 
 
 def num_local_devices(mesh):
-    return mesh.size
+    local = set(local_ids())
+    return sum(_device_id(d) in local for d in np.ravel(mesh.devices))
 
 
 _DMESHES = {}
@@ -85,12 +78,29 @@ def _dmesh(mesh):
 
     key = _mesh_key(mesh)
     if key not in _DMESHES:
-        _DMESHES[key] = dtensor.create_mesh(
-            list(zip(mesh.axis_names, mesh.shape)),
-            devices=[_tf_device(d) for d in np.ravel(mesh.devices)],
-            mesh_name=f"klm_{len(_DMESHES)}",
-        )
+        dims = list(zip(mesh.axis_names, mesh.shape))
+        name = f"klm_{len(_DMESHES)}"
+        if process_count() == 1:
+            _DMESHES[key] = dtensor.create_mesh(
+                dims, devices=[_tf_device(d) for d in np.ravel(mesh.devices)],
+                mesh_name=name)
+        else:  # global ids; this client's devices among them
+            ids = np.asarray([_device_id(d) for d in np.ravel(mesh.devices)])
+            local = local_ids()
+            mine = [i for i in ids if i in local]
+            _DMESHES[key] = dtensor.Mesh(
+                list(mesh.axis_names), ids.reshape(mesh.shape), mine,
+                [device_spec(i - local[0]) for i in mine], mesh_name=name)
     return _DMESHES[key]
+
+
+def _local_positions(mesh):
+    """Positions (in mesh order) of the mesh devices this process holds."""
+    if process_count() == 1:
+        return list(range(mesh.size))
+    local = set(local_ids())
+    return [i for i, d in enumerate(np.ravel(mesh.devices))
+            if _device_id(d) in local]
 
 
 def _dlayout(layout):
@@ -130,7 +140,10 @@ def fetch_layout(x):
         return [None] * rank, Mesh((1,), ["device"], [device or "cpu:0"])
     layout = dtensor.fetch_layout(value)
     dmesh = layout.mesh
-    devices = [d.split("device:")[-1].lower() for d in dmesh.local_devices()]
+    if process_count() == 1:
+        devices = [d.split("device:")[-1].lower() for d in dmesh.local_devices()]
+    else:
+        devices = [f"cpu:{i}" for i in np.ravel(dmesh.global_device_ids())]
     mesh = Mesh(dmesh.shape(), dmesh.dim_names, devices)
     axes = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
     return axes, mesh
@@ -175,7 +188,8 @@ def distribute(x, layout):
         # such as zeros on the last mesh used): any one copy is the value.
         value = dtensor.unpack(value)[0]
     array = value.numpy() if tf.is_tensor(value) else np.asarray(value)
-    return pack(host_shards(array, layout), layout)
+    shards = host_shards(array, layout)
+    return pack([shards[i] for i in _local_positions(layout.mesh)], layout)
 
 
 def pack(components, layout):
@@ -428,6 +442,7 @@ def _pack_batch(data, dist):
     from keras_layoutmap.layout import as_layout
 
     dmesh = _dmesh(dist.device_mesh)
+    gather = process_count() > 1 and not dist.auto_shard_dataset
 
     def place(x):
         if x is None:
@@ -446,6 +461,8 @@ def _pack_batch(data, dist):
         if isinstance(x, tf.Tensor):
             x = x.numpy()
         array = np.asarray(x)
+        if gather:
+            array = gather_process_batches(array)
         layout = as_layout(dist.get_data_layout(array.shape))
         return checked_distribute(array, layout)
 

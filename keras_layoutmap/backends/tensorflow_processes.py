@@ -1,0 +1,151 @@
+"""TensorFlow across processes: DTensor multi-client.
+
+Each process (a DTensor *client*) holds `n / P` logical CPUs; a mesh names
+global device ids, client `c` owning ids `c * L ... (c + 1) * L - 1`.
+`dtensor.pack` takes this client's components only, and a value read on the
+host is relayouted to replicated (a collective every client joins) and read
+from a local copy. The data contract is JAX's (see `jax_processes`).
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+MULTI_PROCESS = True
+
+_STATE = {"clients": 1, "client": 0, "local": None}
+
+
+def set_cpu_devices(n):
+    """Make `n` logical CPU devices in this process (before TF starts)."""
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != n:
+            raise RuntimeError(
+                f"configure_virtual_devices needs {n} logical CPU device(s) in "
+                f"this process, but TensorFlow already initialised {have}. "
+                "Call it right after `import keras_layoutmap`."
+            ) from None
+
+
+def _job_addresses(cluster):
+    jobs = os.environ.get("DTENSOR_JOBS")
+    if jobs:
+        return jobs
+    keras_jobs = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    if keras_jobs and len(keras_jobs.split(",")) == cluster.num_processes:
+        return keras_jobs
+    # One port per client after the coordinator's (the launcher's loopback).
+    host, _, port = cluster.coordinator_address.rpartition(":")
+    return ",".join(f"{host}:{int(port) + 1 + i}"
+                    for i in range(cluster.num_processes))
+
+
+def join(cluster, total_devices=None):
+    """Join `cluster` as a DTensor client; with `total_devices`, make
+    `total_devices / num_processes` logical CPUs here."""
+    if total_devices is not None:
+        count = cluster.num_processes
+        if total_devices % count:
+            fits = [d for d in range(1, total_devices + 1)
+                    if total_devices % d == 0]
+            raise ValueError(
+                f"configure_virtual_devices({total_devices}): {total_devices} "
+                f"devices cannot be spread evenly over the {count} processes "
+                "of this run. Launch a number of processes that divides "
+                f"{total_devices} (one of {fits}): `python -m "
+                f"keras_layoutmap.launch -n {fits[-2] if len(fits) > 1 else 1}"
+                " script.py`."
+            )
+        set_cpu_devices(total_devices // count)
+    os.environ["DTENSOR_CLIENT_ID"] = str(cluster.process_id)
+    os.environ["DTENSOR_NUM_CLIENTS"] = str(cluster.num_processes)
+    os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
+    os.environ["DTENSOR_JOBS"] = _job_addresses(cluster)
+    dtensor.initialize_accelerator_system("CPU")
+    _STATE.update(clients=cluster.num_processes, client=cluster.process_id,
+                  local=dtensor.num_local_devices("CPU"))
+
+
+def process_count():
+    return _STATE["clients"]
+
+
+def process_index():
+    return _STATE["client"]
+
+
+def local_device_count():
+    """Logical CPUs in this process."""
+    if _STATE["local"] is not None:
+        return _STATE["local"]
+    return len(tf.config.list_logical_devices("CPU"))
+
+
+def local_ids():
+    """The global device ids this process owns."""
+    local = local_device_count()
+    start = _STATE["client"] * local
+    return list(range(start, start + local))
+
+
+def global_device_count():
+    return local_device_count() * _STATE["clients"]
+
+
+def device_spec(index):
+    """The TF device of local device `index` in a multi-client run."""
+    return (f"/job:{os.environ.get('DTENSOR_JOB_NAME', 'worker')}/replica:0/"
+            f"task:{_STATE['client']}/device:CPU:{index}")
+
+
+def process_mesh():
+    """A `proc x local` dtensor.Mesh over every device, by process."""
+    clients, local = _STATE["clients"], local_device_count()
+    ids = np.arange(clients * local).reshape(clients, local)
+    mine = local_ids()
+    return dtensor.Mesh(
+        ["proc", "local"], ids, mine, [device_spec(i) for i in range(local)],
+        mesh_name="klm_processes")
+
+
+_PROCESS_MESH = []
+
+
+def gather_process_batches(local_batch):
+    """Every process's batch, concatenated in process order, on every
+    process (batches may differ in length)."""
+    if not _PROCESS_MESH:
+        _PROCESS_MESH.append(process_mesh())
+    mesh = _PROCESS_MESH[0]
+    local_batch = np.asarray(local_batch)
+    sizes = _allgather(mesh, np.asarray([local_batch.shape[0]], np.int64))
+    longest = int(sizes.max())
+    padded = np.zeros((longest, *local_batch.shape[1:]), local_batch.dtype)
+    padded[: local_batch.shape[0]] = local_batch
+    gathered = _allgather(mesh, padded)
+    return np.concatenate(
+        [gathered[i, : int(n)] for i, n in enumerate(sizes.reshape(-1))], axis=0)
+
+
+def _allgather(mesh, value):
+    rank = value.ndim + 1
+    layout = dtensor.Layout(["proc"] + [dtensor.UNSHARDED] * value.ndim, mesh)
+    piece = tf.convert_to_tensor(value[None])
+    packed = dtensor.pack([piece] * local_device_count(), layout)
+    whole = dtensor.relayout(packed, dtensor.Layout.replicated(mesh, rank))
+    return dtensor.unpack(whole)[0].numpy()
+
+
+def barrier(name):
+    if _STATE["clients"] > 1:
+        if not _PROCESS_MESH:
+            _PROCESS_MESH.append(process_mesh())
+        dtensor.barrier(_PROCESS_MESH[0], barrier_name=name)
