@@ -147,3 +147,25 @@ def test_torch_needs_one_process_per_device(tmp_path):
     result = launch(2, script, timeout=120)
     assert result.returncode != 0
     assert "keras_layoutmap.launch -n 8" in result.stderr
+
+
+@pytestmark_mp
+def test_rest_of_the_contract_runs_unchanged(parity):
+    out, ranks = parity
+    whole = np.arange(32, dtype="float32").reshape(16, 2)
+    for index, rank in enumerate(ranks):
+        contract = rank["contract"]
+        # unpack gives this process's devices' pieces, pack takes them back
+        mine = [whole[2 * d: 2 * d + 2] for d in range(4 * index, 4 * index + 4)]
+        np.testing.assert_array_equal(contract["unpack"], mine)
+        assert contract["repacked_layout"] == ["batch", "unsharded"]
+        np.testing.assert_array_equal(contract["repacked_host"], whole)
+        assert contract["explain_rules"] == ["d1\\.kernel", "d2\\.kernel"]
+        assert contract["metric"] == 3.5 and contract["metric_mesh"] == 8
+        # model.save on every process: one file, loads with no distribution
+        weights = rank["runs"]["model_parallel"]["weights"]
+        assert max_difference(contract["loaded_weights"], weights) == 0
+        assert contract["loaded_mesh"] == 1
+        if backends.name() == "tensorflow":  # tf.train.Checkpoint
+            assert max_difference(contract["checkpoint_weights"], weights) == 0
+    assert (out / "model.keras").is_file()

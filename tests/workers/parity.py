@@ -102,6 +102,37 @@ restored.load_weights(path)
 runs["restored_data_parallel"] = [w.tolist() for w in restored.get_weights()]
 klm.set_distribution(None)
 
+# The rest of the contract, unchanged across processes.
+contract = {}
+mesh = dp.device_mesh
+layout = klm.Layout(["batch", None], mesh)
+whole = np.arange(32, dtype="float32").reshape(16, 2)
+pieces = klm.unpack(klm.distribute(whole, layout))  # this process's devices
+contract["unpack"] = [np.asarray(p).tolist() for p in pieces]
+repacked = klm.pack([np.asarray(p) for p in pieces], layout)
+contract["repacked_layout"] = klm.fetch_layout(repacked).sharding_specs
+contract["repacked_host"] = keras.ops.convert_to_numpy(repacked).tolist()
+contract["explain_rules"] = sorted(
+    str(r.rule) for r in layout_map.explain(model_parallel).rows if r.rule)
+metric = keras.metrics.Mean(mesh=mesh)
+metric.update_state(np.arange(8, dtype="float32"))
+contract["metric"] = float(metric.result())
+contract["metric_mesh"] = klm.fetch_layout(metric.variables[0]).mesh.size
+model_path = os.path.join(out, "model.keras")
+model_parallel.save(model_path)
+loaded = keras.models.load_model(model_path)  # no distribution: one device
+contract["loaded_weights"] = [w.tolist() for w in loaded.get_weights()]
+contract["loaded_mesh"] = klm.fetch_layout(loaded.layers[0].kernel).mesh.size
+if keras.backend.backend() == "tensorflow":  # DTensor's own checkpoints
+    import tensorflow as tf
+
+    prefix = os.path.join(out, "ckpt", "model")
+    tf.train.Checkpoint(model=model_parallel).write(prefix)
+    with layout_map.scope():
+        fresh = build()
+    tf.train.Checkpoint(model=fresh).read(prefix).expect_partial()
+    contract["checkpoint_weights"] = [w.tolist() for w in fresh.get_weights()]
+
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"count": count, "devices": len(klm.list_devices()),
-               "reference": reference, "runs": runs}, f)
+               "reference": reference, "runs": runs, "contract": contract}, f)
