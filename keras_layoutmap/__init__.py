@@ -27,7 +27,7 @@ from keras_layoutmap.mesh import (
     create_mesh,
     list_devices,
 )
-from keras_layoutmap.processes import initialize
+from keras_layoutmap.processes import initialize, process_count, process_index
 
 __version__ = "0.1.0"
 
@@ -51,6 +51,8 @@ __all__ = [
     "metrics",
     "optimizers",
     "pack",
+    "process_count",
+    "process_index",
     "set_distribution",
     "unpack",
 ]

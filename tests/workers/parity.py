@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 out = sys.argv[1]
-rank = klm.processes.process_index()
-count = klm.processes.process_count()
+rank = klm.process_index()
+count = klm.process_count()
 x, y = load_digits(return_X_y=True)
 x, y = (x[:200] / 16.0).astype("float32"), y[:200].astype("int32")
 BATCH = 64  # the last global batch of an epoch holds 8 rows
