@@ -117,7 +117,8 @@ class LayoutMap(keras_distribution.LayoutMap):
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)])
+    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)],
+    ...     devices=klm.list_devices()[:1])
     >>> layout_map = klm.LayoutMap(mesh)
     >>> layout_map[r".*dense.*kernel"] = (None, "model")
     >>> layout_map[r".*dense.*bias"] = ("model",)
@@ -248,7 +249,8 @@ class LayoutMap(keras_distribution.LayoutMap):
         Example:
 
         >>> import keras, keras_layoutmap as klm
-        >>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
+        >>> mesh = klm.create_mesh([("batch", 2)],
+        ...     devices=klm.list_devices()[:2])
         >>> layout_map = klm.LayoutMap(mesh)
         >>> layout_map["d1.kernel"] = ("unsharded", "batch")
         >>> with layout_map.scope():

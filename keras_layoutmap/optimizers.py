@@ -9,7 +9,8 @@ a custom training loop apply gradients outside any distribution scope, as
 Example:
 
 >>> import keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
+>>> mesh = klm.create_mesh([("batch", 2)],
+...     devices=klm.list_devices()[:2])
 >>> optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
 >>> klm.fetch_layout(optimizer.iterations).mesh == mesh
 True

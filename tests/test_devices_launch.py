@@ -68,3 +68,36 @@ def test_unbuilt_backend_refuses_to_shard_clearly():
     one = klm.LayoutMap(klm.create_mesh([("batch", 1)], devices=["cpu:0"]))
     with one.scope():  # one device: nothing to place, so it is allowed
         pass
+
+
+@pytest.mark.sharding
+def test_mesh_size_must_match_the_devices_unless_named():
+    n = len(klm.list_devices())
+    with pytest.raises(ValueError, match=rf"has 3 devices, but there are {n}"):
+        klm.create_mesh([("batch", 3)])
+    subset = klm.create_mesh([("batch", 3)], devices=klm.list_devices()[:3])
+    assert subset.size == 3
+    assert klm.create_mesh([("batch", n)]).size == n
+
+
+@pytest.mark.sharding
+def test_mesh_refuses_a_device_named_twice():
+    with pytest.raises(ValueError, match="names device 'cpu:0' more than once"):
+        klm.create_mesh([("batch", 8)], devices=["cpu:0"] * 8)
+
+
+@pytest.mark.parametrize("size", [2.5, 2.0, "2", True, 0, -2])
+def test_mesh_refuses_a_size_that_is_not_a_positive_integer(size):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        klm.create_mesh([("batch", size)], devices=["cpu:0", "cpu:1"])
+
+
+@pytest.mark.sharding
+def test_mesh_refuses_an_unknown_device_and_lists_those_that_exist():
+    with pytest.raises(ValueError, match=r"\['cpu:99'\] that do not exist.*cpu:0"):
+        klm.create_mesh([("batch", 2)], devices=["cpu:0", "cpu:99"])
+
+
+def test_mesh_accepts_numpy_integer_sizes():
+    mesh = klm.create_mesh([("batch", np.int64(2))], devices=["cpu:0", "cpu:1"])
+    assert mesh.shape == (2,) and type(mesh.shape[0]) is int

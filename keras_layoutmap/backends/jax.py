@@ -149,3 +149,8 @@ def install():
     keras_jax_trainer.JAXEpochIterator._get_distributed_iterator = (
         _distributed_iterator
     )
+
+
+def local_devices():
+    """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`."""
+    return [_device_name(d) for d in jax.local_devices()]

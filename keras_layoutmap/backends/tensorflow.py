@@ -612,3 +612,9 @@ def install():
     # Models: inputs checked when called eagerly, exported without DTensor.
     keras_model.Model.export = _wrap_export(keras_model.Model.export)
     keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
+
+
+def local_devices():
+    """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`:
+    every device, as DTensor runs single-client here."""
+    return list_devices()
