@@ -5,6 +5,7 @@ Importing it teaches stock Keras layers `<weight>_layout=` kwargs, metrics
 """
 
 from keras_layoutmap import backends as _backends
+from keras_layoutmap import initializers as _initializers
 from keras_layoutmap import layer_kwargs as _layer_kwargs
 from keras_layoutmap import metrics, optimizers
 from keras_layoutmap import metrics as _metrics
@@ -18,7 +19,7 @@ from keras_layoutmap.distributions import (
 )
 from keras_layoutmap.explain import Report, WeightRow
 from keras_layoutmap.layout import UNSHARDED, Layout
-from keras_layoutmap.layout_map import LayoutMap
+from keras_layoutmap.layout_map import LayoutMap, layout_map_scope
 from keras_layoutmap.mesh import (
     Mesh,
     configure_virtual_devices,
@@ -43,6 +44,7 @@ __all__ = [
     "distribute",
     "distribution",
     "fetch_layout",
+    "layout_map_scope",
     "list_devices",
     "metrics",
     "optimizers",
@@ -53,5 +55,6 @@ __all__ = [
 
 _backends.get().install()  # first: the wrappers below call what it patched
 _layer_kwargs.install()
+_initializers.install()
 _metrics.install()
 _trainer.install()

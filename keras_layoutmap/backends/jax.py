@@ -154,3 +154,37 @@ def install():
 def local_devices():
     """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`."""
     return [_device_name(d) for d in jax.local_devices()]
+
+
+def _wrap_initialize_keeps_value_layout(original):
+    """`keras.Variable(value)` with `value` a sharded `jax.Array` and no
+    distribution active: JAX keeps the sharding; record it as the
+    variable's layout too, so assignments and optimizer slots follow it."""
+
+    def _initialize(self, value):
+        from keras import distribution as keras_distribution
+
+        if (getattr(self, "_layout", None) is None
+                and keras_distribution.distribution() is None
+                and isinstance(value, jax.Array)
+                and isinstance(value.sharding, jax.sharding.NamedSharding)
+                and value.sharding.mesh.size > 1):
+            from keras_layoutmap.layout import Layout
+
+            axes, mesh = fetch_layout(value)
+            self._layout = Layout(axes, mesh)
+        return original(self, value)
+
+    return _initialize
+
+
+_install_core = install
+
+
+def install():  # noqa: F811 -- extends the install above
+    _install_core()
+    from keras.src.backend.jax import core as keras_jax_core
+
+    Variable = keras_jax_core.JaxVariable
+    Variable._initialize = _wrap_initialize_keeps_value_layout(
+        Variable._initialize)

@@ -618,3 +618,35 @@ def local_devices():
     """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`:
     every device, as DTensor runs single-client here."""
     return list_devices()
+
+
+def _wrap_initialize_keeps_value_layout(original):
+    """`keras.Variable(value)` with `value` already a DTensor on a mesh and
+    no distribution active keeps `value`'s layout (as JAX keeps a sharded
+    array's), instead of becoming a one-device variable that DTensor later
+    refuses to update."""
+
+    def _initialize(self, value):
+        from keras import distribution as keras_distribution
+
+        if (getattr(self, "_layout", None) is None
+                and keras_distribution.distribution() is None
+                and tf.is_tensor(value) and not isinstance(value, tf.Variable)
+                and _is_dtensor(value)):
+            from keras_layoutmap.layout import Layout
+
+            axes, mesh = fetch_layout(value)
+            self._layout = Layout(axes, mesh)
+        return original(self, value)
+
+    return _initialize
+
+
+_install_core = install
+
+
+def install():  # noqa: F811 -- extends the install above
+    _install_core()
+    Variable = keras_tf_core.Variable
+    Variable._initialize = _wrap_initialize_keeps_value_layout(
+        Variable._initialize)
