@@ -101,3 +101,56 @@ def test_mesh_refuses_an_unknown_device_and_lists_those_that_exist():
 def test_mesh_accepts_numpy_integer_sizes():
     mesh = klm.create_mesh([("batch", np.int64(2))], devices=["cpu:0", "cpu:1"])
     assert mesh.shape == (2,) and type(mesh.shape[0]) is int
+
+
+def _python(tmp_path, code_or_args, block_keras):
+    """Run Python with `keras` made unimportable when `block_keras`."""
+    import os
+
+    env = dict(os.environ)
+    paths = [os.getcwd(), env.get("PYTHONPATH", "")]
+    if block_keras:
+        fake = tmp_path / "blocked"
+        (fake / "keras").mkdir(parents=True)
+        (fake / "keras" / "__init__.py").write_text(
+            "raise ImportError('keras imported')\n")
+        paths.insert(0, str(fake))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return subprocess.run([sys.executable, *code_or_args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_launch_help_imports_no_keras_and_documents_its_arguments(tmp_path):
+    result = _python(tmp_path, ["-m", "keras_layoutmap.launch", "--help"],
+                     block_keras=True)
+    assert result.returncode == 0, result.stderr
+    assert "how many processes to start" in result.stdout
+    assert "the Python script each process runs" in result.stdout
+
+
+def test_light_import_completes_on_first_use(tmp_path):
+    code = (
+        "import sys\n"
+        "sys.argv[0] = '-m'\n"
+        "sys.orig_argv = [sys.executable, '-m', 'keras_layoutmap.launch']\n"
+        "import keras_layoutmap as klm\n"
+        "assert 'keras' not in sys.modules, 'light import pulled in keras'\n"
+        "from keras_layoutmap import LayoutMap\n"
+        "assert 'keras' in sys.modules and klm.create_mesh\n"
+        "from keras_layoutmap import layer_kwargs, initializers\n"
+        "assert layer_kwargs._INSTALLED and initializers._INSTALLED\n"
+        "print('ok')\n"
+    )
+    result = _python(tmp_path, ["-c", code], block_keras=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_plain_import_installs_everything(tmp_path):
+    code = ("import keras_layoutmap as klm, sys\n"
+            "from keras_layoutmap import layer_kwargs, initializers\n"
+            "assert 'keras' in sys.modules and layer_kwargs._INSTALLED\n"
+            "assert initializers._INSTALLED and klm.layout_map_scope\n"
+            "print('ok')\n")
+    result = _python(tmp_path, ["-c", code], block_keras=False)
+    assert result.returncode == 0, result.stderr

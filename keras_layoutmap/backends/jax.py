@@ -84,6 +84,7 @@ def fetch_layout(x):
 
 
 def distribute(x, layout):
+    x = getattr(x, "value", x)  # a keras.Variable: no np.asarray on it
     if isinstance(x, jax.Array):
         return jax.device_put(x, _sharding(layout))
     return jax.device_put(np.asarray(x), _sharding(layout))
