@@ -4,20 +4,39 @@
 `tests-tensorflow` run every test; `tests-torch` runs the backend-neutral
 tests (`-m "not sharding"`: torch cannot place tensors on a mesh yet).
 Nothing claims what is not built.
+
+Sessions run on the interpreter nox itself runs on (`python=None`): no
+version pinned that a machine may lack. keras 3.15 (and jax 0.7+, numpy 2.3+)
+require Python >= 3.11, so an older interpreter is refused with what to do:
+there is no 3.10 to test, though 3.10 interpreters exist.
 """
+
+import sys
 
 import nox
 
 nox.options.sessions = ["lint", "tests-jax", "tests-tensorflow", "tests-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
-PYTHON = "3.11"
+PYTHON = None  # the interpreter running nox
+MIN_PYTHON = (3, 11)  # keras>=3.15's own Requires-Python
 TORCH = "torch==2.13.0"  # the CPU build; a looser pin pulls CUDA wheels
 # keras-hub's declared dependencies pull full TensorFlow through
 # tensorflow-text; the backbones we build from a config need none of it.
 KERAS_HUB = ["keras-hub>=0.32", "--no-deps"]
 KERAS_HUB_DEPS = [
     "regex", "absl-py", "packaging", "kagglehub", "sentencepiece", "tokenizers"]
+
+
+def _check_python(session):
+    version = session.run("python", "-c", "import sys; print(sys.version_info[:2])",
+                          silent=True) or repr(sys.version_info[:2])
+    major, minor = (int(v) for v in version.strip(" ()\n").split(","))
+    if (major, minor) < MIN_PYTHON:
+        session.error(
+            f"Python {major}.{minor}: keras>=3.15 needs Python >= "
+            f"{'.'.join(map(str, MIN_PYTHON))}. Run nox with a newer one, "
+            "e.g. `python3.11 -m nox`.")
 
 
 def _pytest(session, backend, *args):
@@ -31,6 +50,7 @@ def _pytest(session, backend, *args):
 
 @nox.session(name="tests-jax", python=PYTHON)
 def tests_jax(session):
+    _check_python(session)
     session.install("-e", ".[jax,test]")
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
@@ -39,6 +59,7 @@ def tests_jax(session):
 
 @nox.session(name="tests-tensorflow", python=PYTHON)
 def tests_tensorflow(session):
+    _check_python(session)
     session.install("-e", ".[tensorflow,test]")
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
@@ -47,6 +68,7 @@ def tests_tensorflow(session):
 
 @nox.session(name="tests-torch", python=PYTHON)
 def tests_torch(session):
+    _check_python(session)
     session.install(TORCH)
     session.install("-e", ".[test]")
     _pytest(session, "torch", "-m", "not sharding")
@@ -55,6 +77,7 @@ def tests_torch(session):
 @nox.session(python=PYTHON)
 def example(session):
     """The main job: data- then model-parallel digits on 8 virtual CPUs."""
+    _check_python(session)
     session.install("-e", ".[jax,test]")
     session.run("python", "examples/train_digits.py", env={"KERAS_BACKEND": "jax"})
 

@@ -19,6 +19,10 @@ on every device instead.
 Run: `KERAS_BACKEND=jax python examples/train_digits.py [--epochs N]` (or
 `KERAS_BACKEND=tensorflow`).
 The script exits non-zero if either run ends below 90% validation accuracy.
+
+Both runs print the same losses and accuracies, to the last digit: that is
+the point. They start from the same seed, and sharding changes where the
+numbers are computed, not the numbers (parity with one device).
 """
 
 import argparse
@@ -65,6 +69,10 @@ def build_mlp():
     )
 
 
+def heading(title):
+    print(f"\n=== {title} ===")
+
+
 def train(model, x, y, epochs, title):
     """Compile and fit outside any scope: the model remembers the
     distribution it was built under."""
@@ -73,7 +81,6 @@ def train(model, x, y, epochs, title):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    print(f"\n=== {title} ===")
     start = time.perf_counter()
     history = model.fit(
         x,
@@ -97,6 +104,8 @@ def last_batches(n):
 
 
 def data_parallel(x, y, epochs):
+    title = "data parallel (batch=8)"
+    heading(title)
     mesh = klm.create_mesh([("batch", 8)])
     dist = klm.DataParallel(mesh)
     keras.utils.set_random_seed(0)
@@ -104,10 +113,12 @@ def data_parallel(x, y, epochs):
         model = build_mlp()
     layout = klm.fetch_layout(model.get_layer("hidden_1").kernel)
     print(f"data parallel on {mesh}: hidden_1.kernel is {layout.sharding_specs}")
-    return train(model, x, y, epochs, "data parallel (batch=8)")
+    return train(model, x, y, epochs, title)
 
 
 def model_parallel(x, y, epochs):
+    title = "model parallel (batch=4 x model=2)"
+    heading(title)
     mesh = klm.create_mesh([("batch", 4), ("model", 2)])
     layout_map = klm.LayoutMap(mesh)
     # Rules are regexes over object paths ("hidden_1.kernel"); the first one
@@ -121,7 +132,7 @@ def model_parallel(x, y, epochs):
     kernel = model.get_layer("hidden_1").kernel
     shards = [tuple(s.shape) for s in klm.unpack(kernel)]
     print(f"hidden_1.kernel {tuple(kernel.shape)} -> per-device shards {shards}")
-    return train(model, x, y, epochs, "model parallel (batch=4 x model=2)")
+    return train(model, x, y, epochs, title)
 
 
 def show_keras_failure(x, y):
@@ -166,6 +177,10 @@ def main():
     print()
     for name, accuracy in results.items():
         print(f"{name:>14}: val_accuracy {accuracy:.4f}")
+    if len(set(results.values())) == 1:
+        print("The two runs match to the last digit, as they should: same "
+              "seed, same numbers;\nsharding changes where they are computed, "
+              "not what they are (parity).")
     failed = [n for n, a in results.items() if a < MIN_ACCURACY]
     if failed:
         raise SystemExit(

@@ -165,7 +165,8 @@ class DataParallel(_Resolving, keras_distribution.DataParallel):
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1)])
+    >>> mesh = klm.create_mesh([("batch", 1)],
+    ...     devices=klm.list_devices()[:1])
     >>> klm.DataParallel(mesh).batch_dim_name
     'batch'
     """
@@ -205,7 +206,8 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)])
+    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)],
+    ...     devices=klm.list_devices()[:1])
     >>> layout_map = klm.LayoutMap(mesh)
     >>> layout_map[".*kernel"] = (None, "model")
     >>> klm.ModelParallel(layout_map=layout_map).batch_dim_name

@@ -9,6 +9,10 @@ itself: after the layer builds, a kwarg that named no weight it created is an
 error that lists the weights it did create. The kwargs survive
 `get_config()` / `from_config()` and `model.save()` / `load_model()`.
 
+They are attributes too, as in TF-Keras 2: `Dense(kernel_layout=L).kernel_layout`
+is `L` (None when not given), and a custom layer that sets
+`self.kernel_layout = L` before `add_weight(name="kernel")` gets that layout.
+
 Installing also teaches every layer two things a distribution needs: the
 layer (and weight name) being created, for object paths, and the
 distribution the layer was made under, so weights built later, outside the
@@ -56,6 +60,24 @@ def _set(layer, name, value):
     object.__setattr__(layer, name, value)
 
 
+def _is_layout_value(value):
+    """What `layer.<weight>_layout = value` treats as a layout."""
+    return isinstance(value, keras_distribution.TensorLayout) or (
+        isinstance(value, dict) and "sharding_specs" in value)
+
+
+def _remember_mesh(layer, layouts):
+    """With no distribution active, a layer given layouts is placed on their
+    mesh (replicated where no layout says otherwise)."""
+    if layer.__dict__.get("_klm_distribution") is not None:
+        return
+    current = keras_distribution.distribution()
+    if current is None:
+        meshes = [lay.mesh for lay in layouts.values() if lay.mesh]
+        current = replicated_on(meshes[0]) if meshes else None
+    _set(layer, "_klm_distribution", current)
+
+
 def _pop_layout_kwargs(kwargs):
     layouts = {}
     for key in [k for k in kwargs if k.endswith(_SUFFIX)]:
@@ -74,12 +96,10 @@ def _wrap_init(original):
         layouts = _pop_layout_kwargs(kwargs)
         original(self, **kwargs)
         paths.register(self)
+        # A subclass may have set `self.<weight>_layout` before calling us.
+        layouts = {**weight_layouts(self), **layouts}
         _set(self, "_klm_weight_layouts", layouts)
-        current = keras_distribution.distribution()
-        if current is None:
-            meshes = [lay.mesh for lay in layouts.values() if lay.mesh]
-            current = replicated_on(meshes[0]) if meshes else None
-        _set(self, "_klm_distribution", current)
+        _remember_mesh(self, layouts)
 
     return __init__
 
@@ -146,9 +166,43 @@ def _wrap_post_build(original):
     return _post_build
 
 
+def _wrap_getattr(original):
+    """`layer.<weight>_layout`: the layout given for weight `<weight>` (by
+    kwarg or attribute), or None. Only reached when normal lookup fails;
+    anything else goes to the original (torch's `nn.Module.__getattr__`)."""
+
+    def __getattr__(self, name):
+        if name.endswith(_SUFFIX) and not name.startswith("_"):
+            return weight_layouts(self).get(name[: -len(_SUFFIX)])
+        if original is not None:
+            return original(self, name)
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    return __getattr__
+
+
+def _set_weight_layout(layer, name, value):
+    """`layer.<weight>_layout = value`: the TF-Keras 2 idiom of a custom
+    layer naming the layout of a weight it is about to create."""
+    layouts = dict(weight_layouts(layer))
+    weight = name[: -len(_SUFFIX)]
+    if value is None:
+        layouts.pop(weight, None)
+    else:
+        layouts[weight] = as_layout(value, where=f"`{name}`")
+    _set(layer, "_klm_weight_layouts", layouts)
+    if "_klm_distribution" in layer.__dict__:  # else __init__ decides
+        _remember_mesh(layer, layouts)
+    layer.__dict__.pop(name, None)  # served by `_getattr`
+
+
 def _wrap_setattr(original):
     @functools.wraps(original)
     def __setattr__(self, name, value):
+        if (name.endswith(_SUFFIX) and not name.startswith("_")
+                and (value is None or _is_layout_value(value))):
+            return _set_weight_layout(self, name, value)
         original(self, name, value)
         if isinstance(value, (keras_layers.Layer, list, tuple, dict)):
             paths.register(self)
@@ -170,4 +224,5 @@ def install():
     Layer.add_weight = _wrap_add_weight(Layer.add_weight)
     Layer._post_build = _wrap_post_build(Layer._post_build)
     Layer.__setattr__ = _wrap_setattr(Layer.__setattr__)
+    Layer.__getattr__ = _wrap_getattr(getattr(Layer, "__getattr__", None))
     _INSTALLED = True

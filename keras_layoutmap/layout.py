@@ -52,7 +52,8 @@ class Layout(keras_distribution.TensorLayout):
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1)])
+    >>> mesh = klm.create_mesh([("batch", 1)],
+    ...     devices=klm.list_devices()[:1])
     >>> klm.Layout(["batch", klm.UNSHARDED], mesh).sharding_specs
     ['batch', 'unsharded']
     >>> klm.Layout.replicated(mesh, rank=2) == klm.Layout([None, None], mesh)

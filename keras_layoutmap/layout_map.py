@@ -117,7 +117,8 @@ class LayoutMap(keras_distribution.LayoutMap):
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)])
+    >>> mesh = klm.create_mesh([("batch", 1), ("model", 1)],
+    ...     devices=klm.list_devices()[:1])
     >>> layout_map = klm.LayoutMap(mesh)
     >>> layout_map[r".*dense.*kernel"] = (None, "model")
     >>> layout_map[r".*dense.*bias"] = ("model",)
@@ -248,7 +249,8 @@ class LayoutMap(keras_distribution.LayoutMap):
         Example:
 
         >>> import keras, keras_layoutmap as klm
-        >>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
+        >>> mesh = klm.create_mesh([("batch", 2)],
+        ...     devices=klm.list_devices()[:2])
         >>> layout_map = klm.LayoutMap(mesh)
         >>> layout_map["d1.kernel"] = ("unsharded", "batch")
         >>> with layout_map.scope():
@@ -362,3 +364,32 @@ class LayoutMap(keras_distribution.LayoutMap):
             f"{k!r}: {v.sharding_specs}" for k, v in self._layout_map.items()
         )
         return f"LayoutMap({self._device_mesh!r}, {{{rules}}})"
+
+
+def layout_map_scope(layout_map):
+    """`layout_map.scope()` under TF-Keras 2.9-2.12's name
+    (`tf.keras.dtensor.experimental.layout_map_scope`), for ported code.
+
+    Example:
+
+    >>> import keras, keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("batch", 2)],
+    ...     devices=klm.list_devices()[:2])
+    >>> layout_map = klm.LayoutMap(mesh)
+    >>> layout_map["d1.kernel"] = ("unsharded", "batch")
+    >>> with klm.layout_map_scope(layout_map):
+    ...     model = keras.Sequential([keras.Input((4,)),
+    ...                               keras.layers.Dense(2, name="d1")])
+    >>> klm.fetch_layout(model.layers[0].kernel).sharding_specs
+    ['unsharded', 'batch']
+    """
+    if isinstance(layout_map, keras_distribution.LayoutMap) and not isinstance(
+            layout_map, LayoutMap):
+        layout_map = LayoutMap.from_keras(layout_map)
+    if not isinstance(layout_map, LayoutMap):
+        raise TypeError(
+            "layout_map_scope expects a `klm.LayoutMap` (or a "
+            "`keras.distribution.LayoutMap`). Received: "
+            f"{layout_map!r} of type {type(layout_map).__name__}"
+        )
+    return layout_map.scope()

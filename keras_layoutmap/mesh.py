@@ -1,6 +1,8 @@
 """Device meshes: `Mesh`, `create_mesh`, `list_devices`, virtual devices."""
 
+import itertools
 import math
+import numbers
 
 import numpy as np
 from keras import distribution as keras_distribution
@@ -37,40 +39,130 @@ def list_devices():
     return list(backends.get().list_devices())
 
 
+class MeshShape(tuple):
+    """A mesh's shape: a tuple, as Keras' `DeviceMesh.shape` property gives,
+    that can also be called, as `dtensor.Mesh.shape()` is, returning a list.
+
+    >>> from keras_layoutmap.mesh import MeshShape
+    >>> shape = MeshShape((4, 2))
+    >>> shape, shape(), shape == (4, 2)
+    ((4, 2), [4, 2], True)
+    """
+
+    __slots__ = ()
+
+    def __call__(self):
+        return list(self)
+
+
+def _sizes(shape, axis_names):
+    """`shape` as ints, refusing what is not a positive whole number."""
+    sizes = []
+    for name, size in zip(axis_names, shape):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise ValueError(
+                f"Mesh axis {name!r} has size {size!r} of type "
+                f"{type(size).__name__}; a mesh axis size must be a positive "
+                "integer."
+            )
+        if size < 1:
+            raise ValueError(
+                f"Mesh axis {name!r} has size {size}; a mesh axis size must "
+                "be a positive integer."
+            )
+        sizes.append(int(size))
+    return tuple(sizes)
+
+
+def _check_devices(devices, dims):
+    """Refuse a device named twice, or one this process cannot see."""
+    seen = set()
+    for device in devices:
+        if device in seen:
+            raise ValueError(
+                f"A mesh of shape {dims} names device {device!r} more than "
+                f"once (devices={[str(d) for d in devices]}); each device may "
+                "hold one place in a mesh."
+            )
+        seen.add(device)
+    if not backends.get().SHARDING:
+        return  # nothing is placed on this backend: the names are labels
+    available = list_devices()
+    unknown = [d for d in devices if isinstance(d, str) and d not in available]
+    if unknown:
+        raise ValueError(
+            f"A mesh of shape {dims} names device(s) {unknown} that do not "
+            f"exist. The devices are {_summary(available)} (klm.list_devices()"
+            "); call klm.configure_virtual_devices(n) first for more CPU "
+            "devices."
+        )
+
+
+def _summary(devices):
+    if len(devices) <= 4:
+        return str(devices)
+    return f"{len(devices)}: {devices[0]} ... {devices[-1]}"
+
+
 class Mesh(keras_distribution.DeviceMesh):
     """A named grid of devices; a `keras.distribution.DeviceMesh`.
 
     Build one with `create_mesh`. Besides Keras' `shape`, `axis_names` and
-    `devices`, it offers the `tf.experimental.dtensor.Mesh` vocabulary
-    (`dim_names`, `size`, `dim_size`, `num_local_devices`) and compares by
-    value, so that layouts on equal meshes are equal.
+    `devices`, it offers the `tf.experimental.dtensor.Mesh` vocabulary ported
+    code calls (`dim_names`, `size`, `dim_size`, `num_local_devices`,
+    `device_type()`, `local_devices()`, `local_device_ids()`,
+    `global_device_ids()`, `host_mesh()`, `strides`, `unravel_index()`,
+    `coords()`, `contains_dim()`), and compares by value, so that layouts on
+    equal meshes are equal. `shape` serves both worlds: it is a tuple
+    (Keras) and calling it, `mesh.shape()`, gives a list (DTensor).
+
+    A mesh uses every device unless `devices=` names the ones it uses, as
+    `dtensor.create_mesh` and `jax.make_mesh` require.
+
+    Example:
+
+    >>> import keras_layoutmap as klm
+    >>> mesh = klm.create_mesh([("x", 2), ("y", 1)],
+    ...                        devices=klm.list_devices()[:2])
+    >>> mesh.shape, mesh.shape(), mesh.strides
+    ((2, 1), [2, 1], [1, 1])
+    >>> mesh.unravel_index()
+    {0: {'x': 0, 'y': 0}, 1: {'x': 1, 'y': 0}}
     """
 
     def __init__(self, shape, axis_names, devices=None):
-        shape = tuple(int(s) for s in shape)
         axis_names = [str(a) for a in axis_names]
         if len(set(axis_names)) != len(axis_names):
             raise ValueError(
                 f"Mesh axis names must be unique. Received: {axis_names}"
             )
-        if any(s < 1 for s in shape):
-            raise ValueError(
-                f"Mesh axis sizes must be positive. Received: "
-                f"{dict(zip(axis_names, shape))}"
-            )
+        shape = _sizes(shape, axis_names)
+        dims = dict(zip(axis_names, shape))
+        size = math.prod(shape)
         if devices is None:
             available = list_devices()
-            if math.prod(shape) > len(available):
-                raise ValueError(
-                    f"A mesh of shape {dict(zip(axis_names, shape))} needs "
-                    f"{math.prod(shape)} devices, but only {len(available)} "
-                    f"are available ({available}). Call "
-                    f"`klm.configure_virtual_devices({math.prod(shape)})` "
-                    "first, or pass `devices=`."
+            if size != len(available):
+                fix = (
+                    f"Call `klm.configure_virtual_devices({size})` first, or "
+                    if size > len(available) else "To use some of them, "
                 )
-            devices = available[: math.prod(shape)]
-        devices = np.vectorize(_device_name, otypes=[object])(np.asarray(devices))
-        super().__init__(shape, axis_names, devices=devices)
+                raise ValueError(
+                    f"A mesh of shape {dims} has {size} devices, but there are "
+                    f"{len(available)} ({_summary(available)}). A mesh spans "
+                    f"every device unless `devices=` names them. {fix}pass "
+                    f"`devices=` (e.g. klm.list_devices()[:{size}])."
+                )
+            devices = available
+        devices = np.vectorize(_device_name, otypes=[object])(
+            np.asarray(devices, dtype=object))
+        _check_devices(list(np.ravel(devices)), dims)
+        super().__init__(MeshShape(shape), axis_names, devices=devices)
+
+    @property
+    def shape(self):
+        """The axis sizes: a tuple, also callable (`mesh.shape()`, a list,
+        as `dtensor.Mesh.shape()`)."""
+        return MeshShape(self._shape)
 
     @property
     def dim_names(self):
@@ -91,9 +183,61 @@ class Mesh(keras_distribution.DeviceMesh):
             )
         return self.shape[list(self.axis_names).index(name)]
 
+    def contains_dim(self, name):
+        """Whether the mesh has an axis `name`."""
+        return name in self.axis_names
+
     def num_local_devices(self):
         """How many of the mesh's devices belong to this process."""
         return backends.get().num_local_devices(self)
+
+    def device_type(self):
+        """`"CPU"`, `"GPU"` or `"TPU"`: the kind of the mesh's devices."""
+        kinds = {str(d).split(":")[0].upper() for d in np.ravel(self.devices)}
+        if len(kinds) != 1:
+            raise ValueError(f"{self!r} mixes device kinds {sorted(kinds)}.")
+        return kinds.pop()
+
+    def global_device_ids(self):
+        """The position of every device in the mesh, shaped like the mesh
+        (row-major: `[[0, 1], [2, 3], ...]`)."""
+        return np.arange(self.size, dtype=np.int64).reshape(self.shape)
+
+    def local_device_ids(self):
+        """The global ids of this process's devices, in mesh order."""
+        if self.num_local_devices() == self.size:
+            return list(range(self.size))
+        local = set(backends.get().local_devices())
+        return [i for i, d in enumerate(np.ravel(self.devices)) if str(d) in local]
+
+    def local_devices(self):
+        """This process's devices of the mesh, in mesh order (`"cpu:3"`)."""
+        names = [str(d) for d in np.ravel(self.devices)]
+        return [names[i] for i in self.local_device_ids()]
+
+    def host_mesh(self):
+        """The same mesh over CPU devices (itself when it is on CPUs)."""
+        if self.device_type() == "CPU":
+            return self
+        cpus = [d for d in list_devices() if d.startswith("cpu:")]
+        return Mesh(self.shape, self.axis_names, cpus[: self.size])
+
+    @property
+    def strides(self):
+        """How far apart, in device ids, neighbours along each axis are: for
+        shape `[a, b, c]`, `[b*c, c, 1]`."""
+        return [math.prod(self.shape[i + 1:]) for i in range(len(self.shape))]
+
+    def unravel_index(self):
+        """`{device_id: {axis_name: index}}` for every device."""
+        positions = itertools.product(*(range(s) for s in self.shape))
+        return {i: dict(zip(self.axis_names, (int(p) for p in pos)))
+                for i, pos in enumerate(positions)}
+
+    def coords(self, device_idx):
+        """The mesh coordinates of device `device_idx` (a numpy array)."""
+        return (int(device_idx) // np.asarray(self.strides)) % np.asarray(
+            self.shape)
 
     def get_config(self):
         """The mesh as JSON-ready data (axes and sizes; devices are local)."""
@@ -101,7 +245,12 @@ class Mesh(keras_distribution.DeviceMesh):
 
     @classmethod
     def from_config(cls, config):
-        return create_mesh([tuple(d) for d in config["dims"]])
+        """A mesh of the config's axes over this process's first devices."""
+        dims = [tuple(d) for d in config["dims"]]
+        size = math.prod(int(s) for _, s in dims)
+        available = list_devices()
+        return create_mesh(
+            dims, devices=available[:size] if size <= len(available) else None)
 
     def __eq__(self, other):
         if not isinstance(other, keras_distribution.DeviceMesh):
@@ -117,10 +266,15 @@ class Mesh(keras_distribution.DeviceMesh):
 
 
 def _device_name(device):
-    """`"cpu:3"` for `"CPU:3"` (the DTensor tutorials' spelling) or
-    `"/job:localhost/replica:0/task:0/device:CPU:3"`, so that meshes over the
-    same devices compare equal whichever way they were named."""
+    """`"cpu:3"` for `"CPU:3"` (the DTensor tutorials' spelling),
+    `"/job:localhost/replica:0/task:0/device:CPU:3"` or a device object with
+    `platform` and `id` (JAX's), so that meshes over the same devices compare
+    equal whichever way they were named."""
     if not isinstance(device, str):
+        platform, index = getattr(device, "platform", None), getattr(
+            device, "id", None)
+        if isinstance(platform, str) and isinstance(index, int):
+            return f"{platform}:{index}"
         return device
     name = device.split("device:")[-1]
     kind, sep, index = name.rpartition(":")
@@ -150,20 +304,27 @@ def as_mesh(mesh):
 def create_mesh(mesh_dims, devices=None):
     """Create a `Mesh` from `[(axis_name, size), ...]`.
 
+    The mesh spans every device (`klm.list_devices()`) unless `devices=`
+    names the ones it uses; a size that differs from the device count is an
+    error, as in `dtensor.create_mesh` and `jax.make_mesh`.
+
     Example:
 
     >>> import keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1)])
-    >>> mesh.dim_names, mesh.size
-    (['batch'], 1)
+    >>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
+    >>> mesh.dim_names, mesh.size == len(klm.list_devices())
+    (['batch'], True)
+    >>> klm.create_mesh([("batch", 1)], devices=klm.list_devices()[:1]).size
+    1
     """
     try:
-        names, sizes = zip(*[(str(n), int(s)) for n, s in mesh_dims])
+        names, sizes = zip(*[(str(n), s) for n, s in mesh_dims])
     except (TypeError, ValueError):
         raise ValueError(
             "`mesh_dims` must be a list of (axis_name, size) pairs, e.g. "
             f'[("batch", 4), ("model", 2)]. Received: {mesh_dims!r}'
         ) from None
+    sizes = _sizes(sizes, names)
     if devices is not None:
         devices = list(np.ravel(np.asarray(devices, dtype=object)))
         if len(devices) != math.prod(sizes):

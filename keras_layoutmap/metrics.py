@@ -8,7 +8,8 @@ metrics did. `klm.metrics.<Name>` is the same class.
 Example:
 
 >>> import keras, keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
+>>> mesh = klm.create_mesh([("batch", 2)],
+...     devices=klm.list_devices()[:2])
 >>> metric = keras.metrics.SparseCategoricalAccuracy(mesh=mesh)
 >>> klm.fetch_layout(metric.variables[0]).mesh == mesh
 True

@@ -4,12 +4,15 @@
 state lives on `mesh`: the iteration count and learning rate replicated,
 each slot (momentum, velocity, ...) with the layout of its weight. That lets
 a custom training loop apply gradients outside any distribution scope, as
-`tf.keras.dtensor.experimental.optimizers` did.
+`tf.keras.dtensor.experimental.optimizers` did. State made later with
+`add_variable(...)` lands on the mesh too, and
+`add_variable_from_reference(ref)` takes the layout `ref` really has.
 
 Example:
 
 >>> import keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)])  # 2+ devices
+>>> mesh = klm.create_mesh([("batch", 2)],
+...     devices=klm.list_devices()[:2])
 >>> optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
 >>> klm.fetch_layout(optimizer.iterations).mesh == mesh
 True
@@ -19,8 +22,23 @@ import inspect
 
 import keras
 
+from keras_layoutmap.data import fetch_layout
 from keras_layoutmap.distributions import mesh_scope
 from keras_layoutmap.mesh import as_mesh
+
+
+def _know_layout(variable, mesh):
+    """Keras gives a slot its reference's `_layout`; a reference placed on
+    `mesh` without one (made from a value already on the mesh, say) gets the
+    layout it really has, so its slots match it."""
+    if mesh is None or getattr(variable, "_layout", None) is not None:
+        return
+    try:
+        layout = fetch_layout(variable)
+    except (TypeError, ValueError, NotImplementedError):
+        return
+    if layout.mesh == mesh:
+        variable._layout = layout
 
 
 def _mesh_aware(base):
@@ -32,6 +50,16 @@ def _mesh_aware(base):
     def build(self, variables):
         with mesh_scope(self._klm_mesh):
             return base.build(self, variables)
+
+    def add_variable(self, *args, **kwargs):
+        with mesh_scope(self._klm_mesh):
+            return base.add_variable(self, *args, **kwargs)
+
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        _know_layout(reference_variable, self._klm_mesh)
+        with mesh_scope(self._klm_mesh):
+            return base.add_variable_from_reference(
+                self, reference_variable, *args, **kwargs)
 
     @property
     def mesh(self):
@@ -45,6 +73,8 @@ def _mesh_aware(base):
         {
             "__init__": __init__,
             "build": build,
+            "add_variable": add_variable,
+            "add_variable_from_reference": add_variable_from_reference,
             "mesh": mesh,
             "__doc__": f"`keras.optimizers.{base.__name__}` that keeps its "
             "state on `mesh` (see the module docstring); every other "

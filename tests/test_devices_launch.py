@@ -68,3 +68,89 @@ def test_unbuilt_backend_refuses_to_shard_clearly():
     one = klm.LayoutMap(klm.create_mesh([("batch", 1)], devices=["cpu:0"]))
     with one.scope():  # one device: nothing to place, so it is allowed
         pass
+
+
+@pytest.mark.sharding
+def test_mesh_size_must_match_the_devices_unless_named():
+    n = len(klm.list_devices())
+    with pytest.raises(ValueError, match=rf"has 3 devices, but there are {n}"):
+        klm.create_mesh([("batch", 3)])
+    subset = klm.create_mesh([("batch", 3)], devices=klm.list_devices()[:3])
+    assert subset.size == 3
+    assert klm.create_mesh([("batch", n)]).size == n
+
+
+@pytest.mark.sharding
+def test_mesh_refuses_a_device_named_twice():
+    with pytest.raises(ValueError, match="names device 'cpu:0' more than once"):
+        klm.create_mesh([("batch", 8)], devices=["cpu:0"] * 8)
+
+
+@pytest.mark.parametrize("size", [2.5, 2.0, "2", True, 0, -2])
+def test_mesh_refuses_a_size_that_is_not_a_positive_integer(size):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        klm.create_mesh([("batch", size)], devices=["cpu:0", "cpu:1"])
+
+
+@pytest.mark.sharding
+def test_mesh_refuses_an_unknown_device_and_lists_those_that_exist():
+    with pytest.raises(ValueError, match=r"\['cpu:99'\] that do not exist.*cpu:0"):
+        klm.create_mesh([("batch", 2)], devices=["cpu:0", "cpu:99"])
+
+
+def test_mesh_accepts_numpy_integer_sizes():
+    mesh = klm.create_mesh([("batch", np.int64(2))], devices=["cpu:0", "cpu:1"])
+    assert mesh.shape == (2,) and type(mesh.shape[0]) is int
+
+
+def _python(tmp_path, code_or_args, block_keras):
+    """Run Python with `keras` made unimportable when `block_keras`."""
+    import os
+
+    env = dict(os.environ)
+    paths = [os.getcwd(), env.get("PYTHONPATH", "")]
+    if block_keras:
+        fake = tmp_path / "blocked"
+        (fake / "keras").mkdir(parents=True)
+        (fake / "keras" / "__init__.py").write_text(
+            "raise ImportError('keras imported')\n")
+        paths.insert(0, str(fake))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return subprocess.run([sys.executable, *code_or_args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_launch_help_imports_no_keras_and_documents_its_arguments(tmp_path):
+    result = _python(tmp_path, ["-m", "keras_layoutmap.launch", "--help"],
+                     block_keras=True)
+    assert result.returncode == 0, result.stderr
+    assert "how many processes to start" in result.stdout
+    assert "the Python script each process runs" in result.stdout
+
+
+def test_light_import_completes_on_first_use(tmp_path):
+    code = (
+        "import sys\n"
+        "sys.argv[0] = '-m'\n"
+        "sys.orig_argv = [sys.executable, '-m', 'keras_layoutmap.launch']\n"
+        "import keras_layoutmap as klm\n"
+        "assert 'keras' not in sys.modules, 'light import pulled in keras'\n"
+        "from keras_layoutmap import LayoutMap\n"
+        "assert 'keras' in sys.modules and klm.create_mesh\n"
+        "from keras_layoutmap import layer_kwargs, initializers\n"
+        "assert layer_kwargs._INSTALLED and initializers._INSTALLED\n"
+        "print('ok')\n"
+    )
+    result = _python(tmp_path, ["-c", code], block_keras=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_plain_import_installs_everything(tmp_path):
+    code = ("import keras_layoutmap as klm, sys\n"
+            "from keras_layoutmap import layer_kwargs, initializers\n"
+            "assert 'keras' in sys.modules and layer_kwargs._INSTALLED\n"
+            "assert initializers._INSTALLED and klm.layout_map_scope\n"
+            "print('ok')\n")
+    result = _python(tmp_path, ["-c", code], block_keras=False)
+    assert result.returncode == 0, result.stderr

@@ -96,3 +96,42 @@ def test_layout_config_roundtrip(mesh_2d):
 def test_shard_shape(mesh_2d):
     layout = klm.Layout([None, "model"], mesh_2d)
     assert layout.shard_shape((64, 32)) == (64, 16)
+
+
+def test_mesh_shape_is_a_tuple_and_callable_like_dtensor(mesh_2d):
+    assert mesh_2d.shape == (4, 2) and isinstance(mesh_2d.shape, tuple)
+    assert mesh_2d.shape() == [4, 2] and isinstance(mesh_2d.shape(), list)
+    # Keras' own uses of DeviceMesh.shape keep working.
+    assert mesh_2d.devices.shape == tuple(mesh_2d.shape)
+
+
+def test_mesh_has_the_dtensor_mesh_methods(mesh_2d):
+    assert mesh_2d.device_type() == "CPU"
+    assert mesh_2d.strides == [2, 1]
+    assert mesh_2d.global_device_ids().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh_2d.unravel_index()[5] == {"batch": 2, "model": 1}
+    assert mesh_2d.coords(5).tolist() == [2, 1]
+    assert mesh_2d.contains_dim("model") and not mesh_2d.contains_dim("x")
+    local = mesh_2d.local_devices()
+    assert len(local) == mesh_2d.num_local_devices() == len(mesh_2d.local_device_ids())
+    assert set(local) <= {str(d) for d in mesh_2d.devices.ravel()}
+    assert mesh_2d.host_mesh() == mesh_2d  # already on CPUs
+
+
+def test_mesh_methods_agree_with_dtensor_mesh():
+    tf = pytest.importorskip("tensorflow", reason="needs TensorFlow installed")
+    from tensorflow.experimental import dtensor
+
+    del tf
+    devices = [f"CPU:{i}" for i in range(6)]
+    ours = klm.create_mesh([("x", 3), ("y", 2)],
+                           devices=[d.lower() for d in devices])
+    theirs = dtensor.Mesh(["x", "y"], __import__("numpy").arange(6).reshape(3, 2),
+                          list(range(6)), devices)
+    assert ours.shape() == theirs.shape()
+    assert ours.strides == theirs.strides
+    assert ours.unravel_index() == theirs.unravel_index()
+    assert ours.global_device_ids().tolist() == theirs.global_device_ids().tolist()
+    assert ours.device_type() == theirs.device_type()
+    for i in range(6):
+        assert ours.coords(i).tolist() == theirs.coords(i).numpy().tolist()

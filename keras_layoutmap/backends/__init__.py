@@ -4,7 +4,8 @@ Each backend module (`jax`, `tensorflow`, `torch`) implements the same small
 interface; the rest of the package calls it through `get()` and never imports
 a backend itself:
 
-- `configure_virtual_devices(n)`, `list_devices()`, `num_local_devices(mesh)`
+- `configure_virtual_devices(n)`, `list_devices()`, `local_devices()`,
+  `num_local_devices(mesh)`
 - `fetch_layout(x) -> (axes, mesh_or_None)`: the sharding a value really has
 - `distribute(x, layout)`, `pack(components, layout)`, `unpack(x)`
 - `relayout_variable(variable, layout)`: move an existing variable onto a layout

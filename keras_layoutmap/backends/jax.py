@@ -91,6 +91,7 @@ def fetch_layout(x):
 
 
 def distribute(x, layout):
+    x = getattr(x, "value", x)  # a keras.Variable: no np.asarray on it
     if isinstance(x, jax.Array):
         return jax.device_put(x, _sharding(layout))
     return jax.device_put(np.asarray(x), _sharding(layout))
@@ -217,3 +218,32 @@ def install():
     for module in (keras_backend, keras_jax, keras_jax_core):
         module.convert_to_numpy = convert_to_numpy
     keras_jax_core.Variable.__array__ = _variable_array
+    keras_jax_core.JaxVariable._initialize = _wrap_initialize_keeps_value_layout(
+        keras_jax_core.JaxVariable._initialize)
+
+
+def local_devices():
+    """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`."""
+    return [_device_name(d) for d in jax.local_devices()]
+
+
+def _wrap_initialize_keeps_value_layout(original):
+    """`keras.Variable(value)` with `value` a sharded `jax.Array` and no
+    distribution active: JAX keeps the sharding; record it as the
+    variable's layout too, so assignments and optimizer slots follow it."""
+
+    def _initialize(self, value):
+        from keras import distribution as keras_distribution
+
+        if (getattr(self, "_layout", None) is None
+                and keras_distribution.distribution() is None
+                and isinstance(value, jax.Array)
+                and isinstance(value.sharding, jax.sharding.NamedSharding)
+                and value.sharding.mesh.size > 1):
+            from keras_layoutmap.layout import Layout
+
+            axes, mesh = fetch_layout(value)
+            self._layout = Layout(axes, mesh)
+        return original(self, value)
+
+    return _initialize

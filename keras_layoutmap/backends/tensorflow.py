@@ -648,7 +648,8 @@ def install():
 
     # Variables: made as DVariables, assigned, read back to the host.
     Variable = keras_tf_core.Variable
-    Variable._initialize = _wrap_initialize(Variable._initialize)
+    Variable._initialize = _wrap_initialize_keeps_value_layout(
+        _wrap_initialize(Variable._initialize))
     Variable._direct_assign = _wrap_direct_assign(Variable._direct_assign)
     Variable.numpy = _wrap_numpy(Variable.numpy)
     Variable.__array__ = _array
@@ -670,3 +671,32 @@ def install():
     # Models: inputs checked when called eagerly, exported without DTensor.
     keras_model.Model.export = _wrap_export(keras_model.Model.export)
     keras_model.Model.__call__ = _wrap_model_call(keras_model.Model.__call__)
+
+
+def local_devices():
+    """This process's devices (`"cpu:3"`, global ids), for
+    `Mesh.local_devices()`."""
+    return [f"cpu:{i}" for i in local_ids()]
+
+
+def _wrap_initialize_keeps_value_layout(original):
+    """`keras.Variable(value)` with `value` already a DTensor on a mesh and
+    no distribution active keeps `value`'s layout (as JAX keeps a sharded
+    array's), instead of becoming a one-device variable that DTensor later
+    refuses to update."""
+
+    def _initialize(self, value):
+        from keras import distribution as keras_distribution
+
+        if (getattr(self, "_layout", None) is None
+                and keras_distribution.distribution() is None
+                and tf.is_tensor(value) and not isinstance(value, tf.Variable)
+                and _is_dtensor(value)):
+            from keras_layoutmap.layout import Layout
+
+            axes, mesh = fetch_layout(value)
+            self._layout = Layout(axes, mesh)
+        return original(self, value)
+
+    return _initialize
+

@@ -61,3 +61,10 @@ def num_local_devices(mesh):
 
 def install():
     pass
+
+
+def local_devices():
+    """This process's device: one per process in a launched world."""
+    if _world_size() > 1:
+        return [f"cpu:{os.environ.get('RANK', '0')}"]
+    return list_devices()
