@@ -2,8 +2,11 @@
 script.py [args...]`.
 
 Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` (loopback)
-and `MASTER_PORT`, the environment torch's gloo process groups read. The
-launcher waits for all of them and exits with the first non-zero status.
+and `MASTER_PORT`, the environment torch's gloo process groups read (and
+keras-layoutmap reads to join JAX's or DTensor's runtime). The launcher never
+hangs: as soon as one process fails, it stops the others (SIGTERM, then
+SIGKILL after a grace period) and exits with the failing process's status;
+Ctrl-C stops them all.
 
 It imports no Keras and no backend (see `keras_layoutmap/__init__.py`), so
 `--help` is instant and it runs wherever Python does; each process imports
@@ -12,9 +15,13 @@ what its script needs.
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 
 
 def _free_port():
@@ -32,8 +39,14 @@ def main(argv=None):
     )
     parser.add_argument(
         "-n", "--nproc", type=int, required=True, metavar="N",
-        help="how many processes to start, one per device (RANK 0..N-1, "
-        "WORLD_SIZE=N)")
+        help="how many processes to start (RANK 0..N-1, WORLD_SIZE=N); "
+        "klm.configure_virtual_devices(n) spreads n devices over them (torch: "
+        "one device per process)")
+    parser.add_argument(
+        "--devices-per-process", type=int, metavar="K",
+        help="CPU devices each process makes (KLM_DEVICES_PER_PROCESS=K): "
+        "klm.initialize() then makes K virtual devices per process, and "
+        "klm.configure_virtual_devices(n) checks that n = N x K")
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="...",
@@ -41,16 +54,51 @@ def main(argv=None):
     opts = parser.parse_args(argv)
     if opts.nproc < 1:
         parser.error("-n must be at least 1")
+    if opts.devices_per_process is not None and opts.devices_per_process < 1:
+        parser.error("--devices-per-process must be at least 1")
     port = str(_free_port())
+    extra = {}
+    if opts.devices_per_process is not None:
+        extra["KLM_DEVICES_PER_PROCESS"] = str(opts.devices_per_process)
     procs = []
     for rank in range(opts.nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(opts.nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
+                   MASTER_PORT=port, **extra)
         procs.append(subprocess.Popen(
             [sys.executable, opts.script, *opts.args], env=env))
-    codes = [p.wait() for p in procs]
-    return next((c for c in codes if c), 0)
+    try:
+        return _wait(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+
+
+def _wait(procs, poll=0.1):
+    """Wait for every process; on the first failure stop the others and
+    return its status (0 when all succeed)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            _stop(procs)
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(poll)
+
+
+def _stop(procs):
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":

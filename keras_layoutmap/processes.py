@@ -15,6 +15,10 @@ Where a process finds the cluster, first found wins:
   the coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES`,
   `KERAS_DISTRIBUTION_PROCESS_ID`.
 
+`KLM_DEVICES_PER_PROCESS` (the launcher's `--devices-per-process K`) makes
+`klm.initialize()` create K virtual CPU devices per process, so a cluster
+script runs on a laptop.
+
 Example:
 
 >>> from keras_layoutmap.processes import Cluster, cluster_from_environment
@@ -126,7 +130,9 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
     cluster = Cluster(str(coordinator_address), int(num_processes), int(process_id))
     backend = backends.get()
     _check_multi_process(backend)
-    backend.join(cluster, total_devices=None)
+    per_process = _devices_per_process()
+    backend.join(cluster, total_devices=None if per_process is None
+                 else per_process * cluster.num_processes)
     return cluster
 
 
@@ -139,7 +145,18 @@ def configure_devices(n):
         backend.configure_virtual_devices(n)
         return
     _check_multi_process(backend)
+    per_process = _devices_per_process()
+    if per_process is not None and per_process * cluster.num_processes != n:
+        raise ValueError(
+            f"configure_virtual_devices({n}): the launcher was given "
+            f"--devices-per-process {per_process} for {cluster.num_processes} "
+            f"processes, {per_process * cluster.num_processes} devices in all."
+        )
     backend.join(cluster, total_devices=n)
+
+
+def _devices_per_process():
+    return _int(os.environ, "KLM_DEVICES_PER_PROCESS")
 
 
 def _check_multi_process(backend):

@@ -1,7 +1,9 @@
 """Devices and the process launcher (backend-neutral)."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -53,6 +55,46 @@ def test_launch_returns_first_failure(tmp_path):
     code = subprocess.call([sys.executable, "-m", "keras_layoutmap.launch", "-n",
                             "2", str(script)])
     assert code == 3
+
+
+def test_launch_ends_the_others_when_one_process_dies(tmp_path):
+    # Rank 1 is killed; rank 0 would sleep for 10 minutes. The launcher must
+    # stop rank 0 and return rank 1's status, well within 60 s.
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(600)\n")
+    start = time.monotonic()
+    code = subprocess.call([sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                            "2", str(script)], timeout=120)
+    assert code == 128 + signal.SIGKILL
+    assert time.monotonic() - start < 60
+
+
+def test_launch_help_describes_its_arguments():
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "--help"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--nproc", "--devices-per-process", "script"):
+        assert flag in result.stdout
+
+
+@pytest.mark.skipif(backends.name() == "torch",
+                    reason="torch has one device per process")
+def test_devices_per_process_must_add_up(tmp_path):
+    script = tmp_path / "devices.py"
+    script.write_text("import keras_layoutmap as klm\n"
+                      "klm.configure_virtual_devices(8)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "2",
+         "--devices-per-process", "3", str(script)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--devices-per-process 3 for 2 processes, 6 devices" in result.stderr
 
 
 @pytest.mark.skipif(backends.get().SHARDING,

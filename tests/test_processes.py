@@ -169,3 +169,25 @@ def test_rest_of_the_contract_runs_unchanged(parity):
         if backends.name() == "tensorflow":  # tf.train.Checkpoint
             assert max_difference(contract["checkpoint_weights"], weights) == 0
     assert (out / "model.keras").is_file()
+
+
+@pytestmark_mp
+def test_a_process_that_raises_ends_the_run(tmp_path):
+    # Rank 1 raises while rank 0 waits for it in fit's first collective: the
+    # launcher must end rank 0 and report rank 1's failure, not hang.
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import time, keras_layoutmap as klm\n"
+        "klm.configure_virtual_devices(8)\n"
+        "import keras, numpy as np\n"
+        "if klm.process_index() == 1:\n"
+        "    raise ValueError('rank 1 fails on purpose')\n"
+        "klm.set_distribution(klm.DataParallel(klm.create_mesh([('batch', 8)])))\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+        "model.compile('sgd', 'mse')\n"
+        "print('rank 0 fits', flush=True)\n"
+        "model.fit(np.ones((16, 4)), np.ones((16, 2)), batch_size=8, verbose=0)\n"
+        "time.sleep(600)\n")
+    result = launch(2, script, timeout=240)
+    assert result.returncode == 1
+    assert "rank 1 fails on purpose" in result.stderr
