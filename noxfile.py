@@ -87,9 +87,10 @@ def bench(session):
     """The figures of benchmarks/: JAX, TensorFlow (DTensor against
     MirroredStrategy) and the two side by side."""
     session.install("-e", ".[jax,tensorflow,test]")
-    for script in ("overhead.py", "rules.py", "memory.py", "build.py"):
+    for script in ("overhead.py", "rules.py", "memory.py", "build.py",
+                   "processes.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
-    for script in ("memory.py", "tf_data_parallel.py"):
+    for script in ("memory.py", "tf_data_parallel.py", "processes.py"):
         session.run("python", f"benchmarks/{script}",
                     env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
     session.run("python", "benchmarks/backends.py")
