@@ -3,7 +3,8 @@ script.py [args...]`.
 
 Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` (loopback)
 and `MASTER_PORT`, the environment torch's gloo process groups read (and
-keras-layoutmap reads to join JAX's or DTensor's runtime). The launcher never
+keras-layoutmap reads to join JAX's or DTensor's runtime), and
+`KERAS_DISTRIBUTION_JOB_ADDRESSES`, a free loopback port per process. The launcher never
 hangs: as soon as one process fails, it stops the others (SIGTERM, then
 SIGKILL after a grace period) and exits with the failing process's status;
 Ctrl-C stops them all.
@@ -24,10 +25,18 @@ import time
 GRACE_SECONDS = 10  # after SIGTERM, before SIGKILL
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count):
+    """`count` distinct loopback ports that are free now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def main(argv=None):
@@ -56,8 +65,12 @@ def main(argv=None):
         parser.error("-n must be at least 1")
     if opts.devices_per_process is not None and opts.devices_per_process < 1:
         parser.error("--devices-per-process must be at least 1")
-    port = str(_free_port())
-    extra = {}
+    ports = _free_ports(opts.nproc)
+    port = str(ports[0])
+    # A port per process too, for runtimes whose processes each listen
+    # (DTensor's clients); Keras' own variable, read by keras.distribution.
+    extra = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(
+        f"127.0.0.1:{p}" for p in ports)}
     if opts.devices_per_process is not None:
         extra["KLM_DEVICES_PER_PROCESS"] = str(opts.devices_per_process)
     procs = []

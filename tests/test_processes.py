@@ -125,6 +125,30 @@ def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
     for rank in ranks:
         assert max_difference(rank["runs"]["restored_data_parallel"],
                               rank["runs"]["model_parallel"]["weights"]) == 0
+    # ... and in this one process, with no distribution
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, name="d1"),
+                              keras.layers.Dense(10, name="d2")])
+    model.load_weights(out / "weights.weights.h5")
+    assert max_difference(model.get_weights(),
+                          ranks[0]["runs"]["model_parallel"]["weights"]) == 0
+
+
+@pytestmark_mp
+def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
+    script = tmp_path / "cluster.py"
+    script.write_text(
+        "import keras_layoutmap as klm\n"
+        "klm.initialize()  # a cluster script, run on one machine\n"
+        "mesh = klm.create_mesh([('batch', 8)])\n"
+        "print(klm.process_index(), klm.process_count(), len(klm.list_devices()),"
+        " mesh.num_local_devices(), flush=True)\n")
+    result = launch(2, "--devices-per-process", 4, script, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = sorted(line for line in result.stdout.splitlines()
+                   if line[:1].isdigit())
+    assert lines == ["0 2 8 4", "1 2 8 4"]
 
 
 @pytestmark_mp
