@@ -63,7 +63,7 @@ def train(model, optimizer, metric, mesh=None):
 @pytest.mark.parametrize("name, learning_rate", [("SGD", 0.1), ("Adam", 0.01)])
 def test_tutorial_loop_matches_single_device(name, learning_rate):
     # Adam reads its moments after updating them: with DTensor's all-reduce
-    # combining pass on, the first update was lost (backends/tensorflow.py).
+    # combining pass on, the first update was lost (backends/tensorflow/__init__.py).
     ref_losses, ref_accuracy, ref_weights = train(
         build(), getattr(keras.optimizers, name)(learning_rate),
         keras.metrics.SparseCategoricalAccuracy())

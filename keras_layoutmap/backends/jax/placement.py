@@ -1,30 +1,16 @@
-"""The JAX backend: `keras.distribution` on `jax.sharding` does the work."""
+"""Meshes, layouts and tensors on them: `jax.sharding` does the work; Keras
+variables placed, moved and read back to the host."""
 
 import functools
 
 import jax
-import keras.src.backend as keras_backend
 import numpy as np
-from keras.src import tree
-from keras.src.backend import jax as keras_jax
 from keras.src.backend.jax import core as keras_jax_core
-from keras.src.backend.jax import trainer as keras_jax_trainer
 
-from keras_layoutmap.backends.jax_processes import (  # noqa: F401
-    MULTI_PROCESS,
-    barrier,
-    gather_process_batches,
-    global_array,
-    join,
-    process_count,
-    process_index,
+from keras_layoutmap.backends.jax.processes import (
     set_cpu_devices,
     to_host,
 )
-
-SHARDING = True  # tensors and variables on a mesh
-TRAINING = True  # model.fit & co. on a mesh
-NOT_BUILT = None
 
 
 def configure_virtual_devices(n):
@@ -137,60 +123,7 @@ def unplace_variable(variable):
     variable._direct_assign(jax.numpy.asarray(np.asarray(variable.value)))
 
 
-def _distributed_iterator(self, distribution):
-    """Keras computes the data layouts from the first batch and reuses them;
-    the last, short batch then fails with `IndivisibleError`. Ask the
-    distribution for every new batch shape instead (cached). Across
-    processes, each batch becomes one global array (see `jax_processes`)."""
-    cache = {}
-    several = jax.process_count() > 1
-    gather = several and not distribution.auto_shard_dataset
-
-    def layout_for(d):
-        if d is None:
-            return None
-        key = tuple(d.shape)
-        if key not in cache:
-            cache[key] = distribution.get_data_layout(d.shape).backend_layout
-        return cache[key]
-
-    def place(d):
-        if d is None:
-            return None
-        if gather:
-            d = gather_process_batches(d)
-        return global_array(d, layout_for(d))
-
-    for data in self.data_adapter.get_jax_iterator():
-        if several:
-            yield tree.map_structure(place, data)
-        else:
-            yield keras_jax_trainer._distribute_data(
-                data, tree.map_structure(layout_for, data))
-
-
-def _wrap_make_predict_function(original):
-    """Predictions sharded over several processes come back whole, to every
-    process."""
-
-    @functools.wraps(original)
-    def make_predict_function(self, force=False):
-        if self.predict_function is not None and not force:
-            return self.predict_function
-        original(self, force=force)
-        step = self.predict_function
-
-        def predict_function(state, iterator):
-            outputs, state = step(state, iterator)
-            return tree.map_structure(to_host, outputs), state
-
-        self.predict_function = predict_function
-        return predict_function
-
-    return make_predict_function
-
-
-def _wrap_convert_to_numpy(original):
+def wrap_convert_to_numpy(original):
     @functools.wraps(original)
     def convert_to_numpy(x):
         if isinstance(x, keras_jax_core.Variable):
@@ -200,26 +133,9 @@ def _wrap_convert_to_numpy(original):
     return convert_to_numpy
 
 
-def _variable_array(self, dtype=None, copy=None):
+def variable_array(self, dtype=None, copy=None):
     array = np.asarray(to_host(self.value))
     return array if dtype is None else array.astype(dtype)
-
-
-def install():
-    Trainer = keras_jax_trainer.JAXTrainer
-    keras_jax_trainer.JAXEpochIterator._get_distributed_iterator = (
-        _distributed_iterator
-    )
-    Trainer.make_predict_function = _wrap_make_predict_function(
-        Trainer.make_predict_function)
-    # Values read on the host (get_weights, save_weights, callbacks) are
-    # gathered when the mesh spans processes.
-    convert_to_numpy = _wrap_convert_to_numpy(keras_jax_core.convert_to_numpy)
-    for module in (keras_backend, keras_jax, keras_jax_core):
-        module.convert_to_numpy = convert_to_numpy
-    keras_jax_core.Variable.__array__ = _variable_array
-    keras_jax_core.JaxVariable._initialize = _wrap_initialize_keeps_value_layout(
-        keras_jax_core.JaxVariable._initialize)
 
 
 def local_devices():
@@ -227,7 +143,7 @@ def local_devices():
     return [_device_name(d) for d in jax.local_devices()]
 
 
-def _wrap_initialize_keeps_value_layout(original):
+def wrap_initialize_keeps_value_layout(original):
     """`keras.Variable(value)` with `value` a sharded `jax.Array` and no
     distribution active: JAX keeps the sharding; record it as the
     variable's layout too, so assignments and optimizer slots follow it."""

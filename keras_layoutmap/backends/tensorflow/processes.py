@@ -4,7 +4,7 @@ Each process (a DTensor *client*) holds `n / P` logical CPUs; a mesh names
 global device ids, client `c` owning ids `c * L ... (c + 1) * L - 1`.
 `dtensor.pack` takes this client's components only, and a value read on the
 host is relayouted to replicated (a collective every client joins) and read
-from a local copy. The data contract is JAX's (see `jax_processes`).
+from a local copy. The data contract is JAX's (see `processes`).
 """
 
 import os

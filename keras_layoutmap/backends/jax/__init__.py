@@ -1,0 +1,56 @@
+"""The JAX backend: `keras.distribution` on `jax.sharding` does the work.
+
+One concern a module: `placement` (devices, meshes, layouts, tensors,
+variables, host reads), `training` (the trainer hooks) and `processes`
+(`jax.distributed`). This module is the backend interface (see
+`keras_layoutmap/backends/__init__.py`) and `install()`.
+"""
+
+import keras.src.backend as keras_backend
+from keras.src.backend import jax as keras_jax
+from keras.src.backend.jax import core as keras_jax_core
+from keras.src.backend.jax import trainer as keras_jax_trainer
+
+from keras_layoutmap.backends.jax import placement, training
+from keras_layoutmap.backends.jax.placement import (  # noqa: F401
+    configure_virtual_devices,
+    distribute,
+    fetch_layout,
+    list_devices,
+    local_devices,
+    num_local_devices,
+    pack,
+    relayout_variable,
+    unpack,
+    unplace_variable,
+)
+from keras_layoutmap.backends.jax.processes import (  # noqa: F401
+    MULTI_PROCESS,
+    barrier,
+    join,
+    process_count,
+    process_index,
+)
+
+SHARDING = True  # tensors and variables on a mesh
+TRAINING = True  # model.fit & co. on a mesh
+NOT_BUILT = None
+
+
+def install():
+    Trainer = keras_jax_trainer.JAXTrainer
+    keras_jax_trainer.JAXEpochIterator._get_distributed_iterator = (
+        training.distributed_iterator
+    )
+    Trainer.make_predict_function = training.wrap_make_predict_function(
+        Trainer.make_predict_function)
+    # Values read on the host (get_weights, save_weights, callbacks) are
+    # gathered when the mesh spans processes.
+    convert_to_numpy = placement.wrap_convert_to_numpy(
+        keras_jax_core.convert_to_numpy)
+    for module in (keras_backend, keras_jax, keras_jax_core):
+        module.convert_to_numpy = convert_to_numpy
+    keras_jax_core.Variable.__array__ = placement.variable_array
+    keras_jax_core.JaxVariable._initialize = (
+        placement.wrap_initialize_keeps_value_layout(
+            keras_jax_core.JaxVariable._initialize))

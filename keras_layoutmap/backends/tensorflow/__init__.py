@@ -1,0 +1,101 @@
+"""The TensorFlow backend: `tf.experimental.dtensor` places tensors and
+variables on the mesh.
+
+Meshes and layouts become `dtensor.Mesh` / `dtensor.Layout`; every Keras
+variable created under a distribution (or with a layout) is a
+`dtensor.DVariable` with its layout. `model.fit` / `evaluate` / `predict`
+(and the `*_on_batch` methods) pack each batch onto the mesh by the
+distribution's data layout for that batch's shape, run Keras' own step in a
+`tf.function` that DTensor expands to every device, and bring predictions
+back to the host. DTensor computes on global tensors, so a loss or a metric
+is that of one device: nothing is divided by a replica count.
+
+One concern a module: `placement` (meshes, layouts, tensors, host reads),
+`variables` (DVariables), `training` (the trainer hooks), `random_draws`
+(random numbers inside a step), `export`, `processes` (DTensor
+multi-client). This module is the backend interface (see
+`keras_layoutmap/backends/__init__.py`) and `install()`.
+"""
+
+import os
+
+import keras.src.backend as keras_backend
+from keras.src.backend import tensorflow as keras_tf
+from keras.src.backend.tensorflow import core as keras_tf_core
+from keras.src.backend.tensorflow import distribution_lib as keras_tf_distribution_lib
+from keras.src.backend.tensorflow import random as keras_tf_random
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.models import model as keras_model
+
+from keras_layoutmap.backends.tensorflow import (
+    export,
+    placement,
+    random_draws,
+    training,
+)
+from keras_layoutmap.backends.tensorflow import variables as dvariables
+from keras_layoutmap.backends.tensorflow.placement import (  # noqa: F401
+    configure_virtual_devices,
+    distribute,
+    fetch_layout,
+    list_devices,
+    local_devices,
+    num_local_devices,
+    pack,
+    unpack,
+)
+from keras_layoutmap.backends.tensorflow.processes import (  # noqa: F401
+    MULTI_PROCESS,
+    barrier,
+    join,
+    process_count,
+    process_index,
+)
+from keras_layoutmap.backends.tensorflow.variables import (  # noqa: F401
+    relayout_variable,
+    unplace_variable,
+)
+
+SHARDING = True
+TRAINING = True
+NOT_BUILT = None
+
+
+def install():
+    # DTensor's pass that combines all-reduces moves the reduction of a
+    # gradient past reads of other variables, ignoring the control edges of
+    # their assigns: Adam then reads its moments before this step's update
+    # and the first step is lost. Off unless the user chose otherwise.
+    os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
+
+    # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
+    keras_tf_distribution_lib.distribute_tensor = placement.distribute_tensor_hook
+
+    # Variables: made as DVariables, assigned, read back to the host.
+    Variable = keras_tf_core.Variable
+    Variable._initialize = dvariables.wrap_initialize_keeps_value_layout(
+        dvariables.wrap_initialize(Variable._initialize))
+    Variable._direct_assign = dvariables.wrap_direct_assign(Variable._direct_assign)
+    Variable.numpy = dvariables.wrap_numpy(Variable.numpy)
+    Variable.__array__ = dvariables.variable_array
+    convert_to_numpy = dvariables.wrap_convert_to_numpy(keras_tf_core.convert_to_numpy)
+    for module in (keras_backend, keras_tf, keras_tf_core):
+        module.convert_to_numpy = convert_to_numpy
+
+    # Training: steps on the mesh, random draws made whole inside them.
+    Trainer = keras_tf_trainer.TensorFlowTrainer
+    Trainer._make_function = training.wrap_make_function(Trainer._make_function)
+    Trainer.make_predict_function = training.wrap_make_predict_function(
+        Trainer.make_predict_function)
+    for name in ("fit", "evaluate", "predict"):
+        setattr(Trainer, name, training.wrap_takes_host_data(getattr(Trainer, name)))
+    for name in ("normal", "uniform", "truncated_normal", "randint"):
+        setattr(keras_tf_random, name,
+                random_draws.wrap_random(getattr(keras_tf_random, name)))
+    keras_tf_random.dropout = random_draws.wrap_dropout(keras_tf_random.dropout)
+
+    # Models: inputs checked when called eagerly, exported without DTensor.
+    keras_model.Model.export = export.wrap_export(keras_model.Model.export)
+    keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
+
+

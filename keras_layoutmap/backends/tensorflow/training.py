@@ -1,0 +1,231 @@
+"""`fit` / `evaluate` / `predict` on a mesh: each batch packed by the
+distribution's data layout for its shape, Keras' own step run in a
+`tf.function` that DTensor expands to every device, predictions gathered to
+the host, and DTensor's layout errors made plain."""
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_layoutmap.backends.tensorflow.placement import (
+    is_dtensor,
+    mesh_distribution,
+    to_dmesh,
+    to_host,
+)
+from keras_layoutmap.backends.tensorflow.processes import (
+    gather_process_batches,
+    process_count,
+)
+from keras_layoutmap.backends.tensorflow.random_draws import (
+    mesh_step,
+)
+
+
+def _check_inputs_on_mesh(model, inputs):
+    """Refuse, before DTensor does, a plain tensor passed eagerly to a model
+    whose variables live on a mesh: say what to do instead."""
+    from keras.src import tree
+
+    variables = model.variables
+    if not variables or not is_dtensor(variables[0]._value):
+        return
+    mesh = dtensor.fetch_layout(variables[0]._value).mesh
+    for index, x in enumerate(tree.flatten(inputs)):
+        if not isinstance(x, (np.ndarray, tf.Tensor)) or len(x.shape) == 0:
+            continue
+        if tf.is_tensor(x) and is_dtensor(x):
+            other = dtensor.fetch_layout(x).mesh
+            if other != mesh:
+                raise ValueError(
+                    f"Model '{model.name}' has its variables on a mesh "
+                    f"{dict(zip(mesh.dim_names, mesh.shape()))}, but input "
+                    f"{index} is on another mesh "
+                    f"{dict(zip(other.dim_names, other.shape()))}. Pack it "
+                    "with a layout on the model's mesh."
+                )
+        else:
+            raise ValueError(
+                f"Model '{model.name}' has its variables on a mesh "
+                f"{dict(zip(mesh.dim_names, mesh.shape()))}, but input {index} "
+                f"is a plain {type(x).__name__} of shape {tuple(x.shape)}, "
+                "not a tensor on that mesh. Place it first with "
+                "klm.distribute(x, klm.Layout.batch_sharded(mesh, 'batch', "
+                f"{len(x.shape)})) (or klm.pack one piece per device), or call "
+                "model.predict(x), which packs batches for you."
+            )
+
+
+def wrap_model_call(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        if tf.executing_eagerly():
+            _check_inputs_on_mesh(self, args)
+        return original(self, *args, **kwargs)
+
+    return __call__
+
+
+def _pack_batch(data, dist):
+    """`data` (a nest of host arrays or tensors) placed on the mesh: each
+    leaf by the distribution's data layout for its shape. Leaves already on
+    the distribution's mesh are left as they are."""
+    from keras.src import tree
+
+    from keras_layoutmap.data import distribute as checked_distribute
+    from keras_layoutmap.layout import as_layout
+
+    dmesh = to_dmesh(dist.device_mesh)
+    gather = process_count() > 1 and not dist.auto_shard_dataset
+
+    def place(x):
+        if x is None:
+            return None
+        if tf.is_tensor(x) and is_dtensor(x):
+            mesh = dtensor.fetch_layout(x).mesh
+            if mesh != dmesh:
+                raise ValueError(
+                    "An input is a DTensor on another mesh "
+                    f"{dict(zip(mesh.dim_names, mesh.shape()))} than the "
+                    f"model's, {dist.device_mesh!r}. Pack inputs with a layout on the "
+                    "model's mesh (klm.Layout.batch_sharded(mesh, ...)), or "
+                    "pass host arrays and let the distribution pack them."
+                )
+            return x
+        if isinstance(x, tf.Tensor):
+            x = x.numpy()
+        array = np.asarray(x)
+        if gather:
+            array = gather_process_batches(array)
+        layout = as_layout(dist.get_data_layout(array.shape))
+        return checked_distribute(array, layout)
+
+    return tree.map_structure(place, data)
+
+
+class _PackedBatches:
+    """The batches of `iterator` packed onto the mesh of `dist`."""
+
+    def __init__(self, iterator, dist):
+        self._iterator = iter(iterator)
+        self._dist = dist
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            data = next(self._iterator)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+        return _pack_batch(data, self._dist)
+
+
+def _run_step(model, step, data):
+    """`step(data)` on the mesh, with DTensor's layout errors made plain."""
+    try:
+        with mesh_step():
+            return step(data)
+    except tf.errors.OpError as error:
+        message = str(error)
+        if "SPMD expansion" not in message:
+            raise
+        reason = message.split("error: ", 1)[-1].split("\n", 1)[0]
+        raise ValueError(
+            f"DTensor cannot run a step of model '{model.name}' with the "
+            f"layouts it was given: {reason} TensorFlow runs only the "
+            "combinations its SPMD expansion supports (JAX reshards instead); "
+            "for a matmul, shard the contracting dimension of both operands on "
+            "the same mesh axis, or on none. See the layouts with "
+            "klm.explain(model)."
+        ) from error
+
+
+def _build_for_no_data(model, iterator):
+    """Plain Keras traces its step even for empty data, which builds the
+    compiled metrics and loss; build them from the data's spec instead, so
+    `fit` / `evaluate` on empty data end as they do without a mesh."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is not None:
+        model._symbolic_build(data_batch=spec)
+
+
+def wrap_make_function(original):
+    def _make_function(self, step_function):
+        keras_function = original(self, step_function)
+        compiled = {}
+
+        def function(iterator):
+            dist = mesh_distribution()
+            if dist is None:
+                return keras_function(iterator)
+            if "step" not in compiled:
+                # No XLA: DTensor expands the function to every device itself.
+                compiled["step"] = (
+                    step_function if self.run_eagerly
+                    else tf.function(step_function, reduce_retracing=True))
+            batches = _PackedBatches(iterator, dist)
+            outputs = None
+            for _ in range(self.steps_per_execution):
+                try:
+                    data = next(batches)
+                except StopIteration:
+                    if outputs is None:
+                        _build_for_no_data(self, iterator)
+                        raise
+                    break
+                outputs = _run_step(self, compiled["step"], data)
+            return outputs
+
+        return function
+
+    return _make_function
+
+
+def wrap_make_predict_function(original):
+    def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        original(self, force=force)
+        keras_function = self.predict_function
+
+        def predict_function(data):
+            from keras.src import tree
+
+            dist = mesh_distribution()
+            if dist is None:
+                return keras_function(data)
+            outputs = _run_step(self, keras_function,
+                                [_pack_batch(d, dist) for d in data])
+            return tree.map_structure(to_host, outputs)
+
+        self.predict_function = predict_function
+        return predict_function
+
+    return make_predict_function
+
+
+def wrap_takes_host_data(original):
+    """`fit` / `evaluate` / `predict` pack host data themselves; Keras' data
+    adapters cannot read a DTensor, so say what to pass instead."""
+
+    @functools.wraps(original)
+    def method(self, x=None, *args, **kwargs):
+        from keras.src import tree
+
+        if isinstance(x, (tf.Tensor, dict, list, tuple)):
+            for leaf in tree.flatten(x):
+                if isinstance(leaf, tf.Tensor) and is_dtensor(leaf):
+                    raise ValueError(
+                        f"model.{original.__name__} takes host data (numpy "
+                        "arrays, tf.data, generators, PyDataset) and packs each "
+                        "batch onto the mesh itself. Received a DTensor of "
+                        f"shape {tuple(leaf.shape)}. Pass the host array, or "
+                        "call the model (or your tf.function step) on the "
+                        "packed tensor."
+                    )
+        return original(self, x, *args, **kwargs)
+
+    return method
