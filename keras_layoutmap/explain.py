@@ -65,12 +65,12 @@ def explain(model, layout_map):
     for variable in model.weights:
         object_path, owner = owners.get(id(variable), (variable.path, None))
         shape = tuple(int(d) for d in variable.shape)
+        matched.update(layout_map.matching_rules(object_path, variable.path))
         rule, layout = resolve_weight(
             owner, variable.name, shape, object_path, variable.path,
             layout_map, layout_map.device_mesh,
         )
         won.add(rule)
-        matched.update(layout_map.matching_rules(object_path, variable.path))
         rows.append(
             WeightRow(
                 path=variable.path,

@@ -2,6 +2,8 @@
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import re
 
@@ -24,12 +26,15 @@ except ImportError:  # Python 3.10
     import sre_parse as _regex_parser
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def literal_prefix(rule):
     """The literal text every key `rule` fullmatches must start with.
 
     `"block_3\\.mlp\\..*"` gives `"block_3.mlp."`; a rule that starts with
     anything but literal characters (or sets flags such as `(?i)`) gives "".
     """
+    if rule[:1] in _NOT_LITERAL_START:
+        return ""  # the common broad rule, `.*...`: no need to parse it
     try:
         parsed = _regex_parser.parse(rule)
     except Exception:
@@ -42,6 +47,12 @@ def literal_prefix(rule):
             break
         prefix.append(chr(value))
     return "".join(prefix)
+
+
+# A rule starting with one of these has no literal prefix: any character
+# (`.`), a group or flags (`(`), a set (`[`), an anchor (`^`, `$`), or an
+# empty alternative (`|`).
+_NOT_LITERAL_START = frozenset(".([^$|")
 
 
 class _Matcher:
@@ -58,17 +69,19 @@ class _Matcher:
     matches the whole key. Blocks keep every compiled alternation small
     (a regex of thousands of groups compiles slowly and matches more slowly
     than a plain loop), so matching never costs more than trying the rules
-    one by one. Rules that cannot be joined (numbered back-references,
+    one by one; a candidate set is compiled only after it has been tried
+    `JOIN_AFTER` times. Rules that cannot be joined (numbered back-references,
     clashing group names, inline flags) are tried one by one.
     """
 
     BLOCK = 32
+    JOIN_AFTER = 256
 
     def __init__(self, rules, patterns=None):
         self.rules = list(rules)
         patterns = patterns or {}
         self.compiled = [patterns.get(r) or re.compile(r) for r in self.rules]
-        broad = {}  # block -> [rule index, ...]
+        broad = {}  # block number -> [rule index, ...]
         self.by_length = {}  # prefix length -> {prefix: [rule index, ...]}
         for i, rule in enumerate(self.rules):
             prefix = literal_prefix(rule)
@@ -78,12 +91,18 @@ class _Matcher:
             else:
                 broad.setdefault(i // self.BLOCK, []).append(i)
         self.broad = {b: tuple(v) for b, v in broad.items()}
-        self.broad_blocks = [self.broad[b] for b in sorted(self.broad)]
-        self._joined = {}
+        self._block_cache = {}  # candidate indices -> _Block
+        self._first_memo = {}  # key -> first rule, for keys `all` has seen
+        self.broad_blocks = [self._block(self.broad[b]) for b in sorted(self.broad)]
+
+    def _block(self, indices):
+        block = self._block_cache.get(indices)
+        if block is None:
+            block = self._block_cache[indices] = _Block(self, indices)
+        return block
 
     def _blocks(self, key):
-        """The candidate rule indices for `key`, one sorted tuple per block,
-        blocks in rule order."""
+        """The candidate rules for `key` as `_Block`s, in rule order."""
         hits = {}
         for length, table in self.by_length.items():
             found = table.get(key[:length])
@@ -92,57 +111,90 @@ class _Matcher:
                     hits.setdefault(i // self.BLOCK, []).append(i)
         if not hits:
             return self.broad_blocks
-        blocks = []
-        for b in sorted(set(self.broad) | set(hits)):
-            blocks.append(tuple(sorted(self.broad.get(b, ()) + tuple(hits.get(b, ())))))
-        return blocks
-
-    def _join(self, candidates):
-        if candidates in self._joined:
-            return self._joined[candidates]
-        joined = None
-        if not any(_UNJOINABLE.search(self.rules[i]) for i in candidates):
-            try:
-                joined = re.compile(
-                    "|".join(f"(?P<_klm{i}>{self.rules[i]})" for i in candidates)
-                )
-            except re.error:
-                joined = None
-        self._joined[candidates] = joined
-        return joined
+        return [
+            self._block(tuple(sorted(self.broad.get(b, ()) + tuple(hits.get(b, ())))))
+            for b in sorted(set(self.broad) | set(hits))
+        ]
 
     def all(self, key):
         """Indices of every rule that fullmatches `key`, in rule order."""
         found = []
         for block in self._blocks(key):
-            if len(block) > 1:
-                joined = self._join(block)
-                if joined is not None:
-                    m = joined.fullmatch(key)
-                    if m is None:
-                        continue
-                    first = int(m.lastgroup[4:])
-                    found.append(first)
-                    block = [i for i in block if i > first]
-            found.extend(i for i in block if self.compiled[i].fullmatch(key))
+            joined = block.joined()
+            if joined is None:
+                found.extend(block.tried(key))
+                continue
+            m = joined.fullmatch(key)
+            if m is None:
+                continue
+            first = int(m.lastgroup[4:])
+            found.append(first)
+            rest = [i for i in block.indices if i > first]
+            found.extend(i for i in rest if self.compiled[i].fullmatch(key))
+        if len(self._first_memo) >= 4096:
+            self._first_memo.clear()
+        self._first_memo[key] = found[0] if found else None
         return found
 
     def first(self, key):
         """Index of the first rule that fullmatches `key`, or None."""
+        if key in self._first_memo:  # `all(key)` ran: explain, then resolve
+            return self._first_memo[key]
         for block in self._blocks(key):
-            if len(block) > 1:
-                joined = self._join(block)
-                if joined is not None:
-                    m = joined.fullmatch(key)
-                    if m is not None:
-                        return int(m.lastgroup[4:])
-                    continue
-            for i in block:
-                if self.compiled[i].fullmatch(key):
-                    return i
+            joined = block.joined()
+            if joined is None:
+                hit = next(block.tried(key), None)
+                if hit is not None:
+                    return hit
+                continue
+            m = joined.fullmatch(key)
+            if m is not None:
+                return int(m.lastgroup[4:])
         return None
 
 
+class _Block:
+    """Up to `_Matcher.BLOCK` candidate rules, tried one by one until they
+    have been tried `JOIN_AFTER` times, then as one compiled alternation
+    (compiling costs about as much as a few hundred one-by-one tries, so a
+    map looked up a few times never pays more than a plain loop, and a big
+    model pays the compile back)."""
+
+    __slots__ = ("indices", "patterns", "uses", "_joined", "_matcher")
+
+    def __init__(self, matcher, indices):
+        self._matcher = matcher
+        self.indices = indices
+        self.patterns = tuple(matcher.compiled[i] for i in indices)
+        self.uses = 0 if len(indices) > 1 else -1  # -1: never join
+        self._joined = None
+
+    def tried(self, key):
+        """The rules that fullmatch `key`, lazily, in order; the loop runs
+        in C (compress over map)."""
+        return itertools.compress(
+            self.indices, map(_FULLMATCH, self.patterns, itertools.repeat(key))
+        )
+
+    def joined(self):
+        if self.uses < 0:
+            return self._joined
+        self.uses += 1
+        if self.uses < _Matcher.JOIN_AFTER:
+            return None
+        self.uses = -1
+        rules = self._matcher.rules
+        if not any(_UNJOINABLE.search(rules[i]) for i in self.indices):
+            try:
+                self._joined = re.compile(
+                    "|".join(f"(?P<_klm{i}>{rules[i]})" for i in self.indices)
+                )
+            except re.error:
+                self._joined = None
+        return self._joined
+
+
+_FULLMATCH = re.Pattern.fullmatch
 # Rules that cannot be joined into one alternation: numbered back-references
 # and named ones refer to groups by number or name; inline global flags must
 # start the whole pattern.

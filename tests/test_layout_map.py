@@ -319,3 +319,29 @@ def test_matcher_agrees_with_a_naive_first_match_loop():
     for key in keys:
         naive = next((i for i, r in enumerate(rules) if re.fullmatch(r, key)), None)
         assert matcher.first(key) == naive, key
+
+
+@pytest.mark.parametrize("join_after", [1, 3, 10_000])
+def test_matcher_blocks_agree_with_a_naive_loop(monkeypatch, join_after):
+    # Many broad rules span several blocks; joined (after `join_after`
+    # tries) or not, first() and all() agree with a naive loop.
+    import re
+
+    from keras_layoutmap.layout_map import _Matcher
+
+    monkeypatch.setattr(_Matcher, "JOIN_AFTER", join_after)
+    rules = [rf".*blk_{j}\..*" for j in range(100)]
+    rules[37] = r".*blk_(\d)\1\..*"  # a back-reference: never joined
+    rules[70] = r"(?i).*BLK_7\d\.kernel"  # inline flags: never joined
+    rules += [r"blk_5\.kernel", r".*kernel", r"blk_.*"]
+    keys = [f"blk_{j}.{w}" for j in range(0, 110, 3) for w in ("kernel", "bias")]
+    matcher = _Matcher(rules)
+    for _ in range(3):
+        for key in keys:
+            hits = [i for i, r in enumerate(rules) if re.fullmatch(r, key)]
+            assert matcher.all(key) == hits, key
+            assert matcher.first(key) == (hits[0] if hits else None), key
+    for key in keys:  # first() without all() having seen the key
+        fresh = _Matcher(rules)
+        naive = next((i for i, r in enumerate(rules) if re.fullmatch(r, key)), None)
+        assert fresh.first(key) == naive
