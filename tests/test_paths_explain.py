@@ -98,7 +98,7 @@ def test_explain_report():
     assert report.unused_rules == [r"nothing.*"]
     assert report.shadowed_rules == [r"blocks\.0\.dense\.kernel"]
     assert report.bytes_per_device == sum(r.bytes_per_device for r in report.rows)
-    text = str(report)
+    text = report.render(width=200)
     assert "feature.kernel" in text and "shadowed" in text
     assert f"{report.bytes_per_device:,}" in text
 
