@@ -231,6 +231,11 @@ class LayoutMap(keras_distribution.LayoutMap):
     It is a `keras.distribution.LayoutMap`, so it can be handed to
     `keras.distribution.ModelParallel` as well.
 
+    With `strict=True`, a model built under the map is checked before it
+    first trains, evaluates or predicts: a rule that matches no weight, or a
+    weight above `max_replicated_bytes` (default 1 MiB) that no rule places
+    (so it is replicated on every device), is an error (see `check`).
+
     Example:
 
     >>> import keras_layoutmap as klm
@@ -263,6 +268,7 @@ class LayoutMap(keras_distribution.LayoutMap):
         self._patterns = {}  # rule -> compiled regex
         self._matcher = None
         self._distribution = None
+        self._version = 0  # bumped on every change: strict checks re-run
 
     # -- the mapping -------------------------------------------------------
 
@@ -393,6 +399,7 @@ class LayoutMap(keras_distribution.LayoutMap):
         return "[" + ", ".join(str(lt.sharding_specs) for lt in layouts) + "]"
 
     def _changed(self):
+        self._version += 1
         self._matcher = None
         self._distribution = None
 
@@ -513,6 +520,16 @@ class LayoutMap(keras_distribution.LayoutMap):
         from keras_layoutmap.explain import explain
 
         return explain(model, self)
+
+    def check(self, model):
+        """Check this map's plan for the built `model` as strict mode does
+        (whether or not the map is strict): raise `StrictModeError` (a
+        `ValueError`) naming every rule that matches no weight and every
+        weight above `max_replicated_bytes` that no rule places. Returns the
+        explain report when the plan passes."""
+        report = self.explain(model)
+        report.raise_for_strict()
+        return report
 
     # -- rules as data -------------------------------------------------------
 
