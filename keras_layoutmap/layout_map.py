@@ -652,7 +652,10 @@ class LayoutMap(keras_distribution.LayoutMap):
 
                 config = yaml.safe_load(data)
             elif kind == "TOML":
-                import tomllib
+                try:
+                    import tomllib
+                except ImportError:  # Python 3.10
+                    import tomli as tomllib
 
                 config = tomllib.loads(data.decode())
             else:
