@@ -20,6 +20,13 @@ checked against a naive first-rule-wins loop over `re.fullmatch`.
 
 Goals: 10k weights in < 0.2 s; time grows linearly (10x weights -> ~10x time).
 
+A second part times the broad case (issue 11): 10,000 rules that start with
+`.*` (so no literal prefix narrows them down) that match nothing, then
+`.*kernel` / `.*bias`. It prints, side by side, a plain first-match loop over
+pre-compiled regexes and `LayoutMap.resolve`, per weight, for 40 weights and
+for 4,000 (where the matcher has joined its blocks), the first lookup, and
+`explain()` of a 40-weight model. Goal: never slower than the plain loop.
+
 Run: KERAS_BACKEND=jax python benchmarks/rules.py
 """
 
@@ -171,5 +178,98 @@ def main():
     )
 
 
+BROAD_RULES = 10_000
+
+
+def make_broad_layout_map():
+    mesh = klm.create_mesh(
+        [("batch", 4), ("model", 2)], devices=[f"cpu:{i}" for i in range(8)]
+    )
+    layout_map = klm.LayoutMap(mesh)
+    for j in range(BROAD_RULES):
+        layout_map[rf".*block_{j}_unused\.w{j % 7}.*"] = ("model", None)
+    layout_map[r".*kernel"] = (None, "model")
+    layout_map[r".*bias"] = ("model",)
+    return layout_map
+
+
+def plain_loop(compiled, object_path, variable_path):
+    for pattern in compiled:
+        if pattern.fullmatch(object_path) or pattern.fullmatch(variable_path):
+            return pattern.pattern
+    return None
+
+
+def _per_weight_ms(fn, weights, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for shape, op, vp in weights:
+            fn(shape, op, vp)
+        best = min(best, time.perf_counter() - start)
+    return best / len(weights) * 1e3
+
+
+def broad_case(console):
+    import keras
+
+    layout_map = make_broad_layout_map()
+    rules = list(layout_map)
+    compiled = [re.compile(r) for r in rules]
+    table = Table(title=f"{len(rules):,} rules, {BROAD_RULES:,} of them broad "
+                  "(`.*...`): plain first-match loop vs LayoutMap")
+    for col in ("case", "plain loop", "LayoutMap", "ratio"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+
+    def row(case, loop, ours, unit):
+        table.add_row(case, f"{loop:.2f} {unit}", f"{ours:.2f} {unit}",
+                      f"{ours / loop:.2f}x")
+
+    weights = make_weights(40)
+    start = time.perf_counter()
+    layout_map.resolve(*weights[0])
+    first = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    plain_loop(compiled, *weights[0][1:])
+    first_loop = (time.perf_counter() - start) * 1e3
+    row("first lookup", first_loop, first, "ms")
+    wrong = [w for w in weights
+             if layout_map.resolve(*w)[0] != plain_loop(compiled, *w[1:])]
+    loop = _per_weight_ms(lambda s, op, vp: plain_loop(compiled, op, vp), weights)
+    ours = _per_weight_ms(layout_map.resolve, weights)
+    row("per weight, 40 weights", loop, ours, "ms")
+    many = make_weights(4_000)
+    layout_map.resolve(*many[0])
+    for w in many[:600]:  # past JOIN_AFTER: the blocks get joined
+        layout_map.resolve(*w)
+    loop = _per_weight_ms(
+        lambda s, op, vp: plain_loop(compiled, op, vp), many[::10], repeats=1)
+    ours = _per_weight_ms(layout_map.resolve, many, repeats=1)
+    row("per weight, 4,000 weights", loop, ours, "ms")
+
+    inputs = keras.Input((8,))
+    x = inputs
+    for i in range(20):
+        x = keras.layers.Dense(8, name=f"block_{i}_dense")(x)
+    model = keras.Model(inputs, x)
+    fresh = make_broad_layout_map()
+    start = time.perf_counter()
+    report = fresh.explain(model)
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    for v in model.weights:  # what explain must know: winner, and every match
+        op = v.path.split("/", 1)[1].replace("/", ".")
+        plain_loop(compiled, op, v.path)
+        [p for p in compiled if p.fullmatch(op) or p.fullmatch(v.path)]
+    loop = time.perf_counter() - start
+    row(f"explain(), {len(report.rows)} weights (s)", loop, ours, "s")
+    console.print(table)
+    console.print(
+        "check against the plain loop (40 weights): "
+        + ("all agree" if not wrong else f"{len(wrong)} DIFFER")
+    )
+
+
 if __name__ == "__main__":
     main()
+    broad_case(Console(width=120))

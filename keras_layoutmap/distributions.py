@@ -60,14 +60,18 @@ def weight_keys(variable):
     return paths.object_path(layer, variable.name), variable.path
 
 
-def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh):
+def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
+                   detail=False):
     """`(source, layout)` for weight `name` of layer `owner`.
 
     A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
-    then the first matching rule of `layout_map`; else replicated on `mesh`.
+    then the first matching rule of `layout_map` (for a rule with fallbacks,
+    its first layout that fits `shape`); else replicated on `mesh`.
     `source` names the kwarg or the rule (None for the default). Raises
     `ValueError` if the chosen layout cannot hold a tensor of `shape`, or if
-    a kwarg's layout is on another mesh than `mesh`.
+    a kwarg's layout is on another mesh than `mesh`. With `detail=True`,
+    returns `(source, layout, choice)`, `choice` being the rule's
+    `layout_map.Choice` (None for a kwarg or the default).
     """
     if owner is not None:
         source, layout = _kwarg_layout(owner, name)
@@ -81,12 +85,15 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh):
                     "the layout on the distribution's mesh."
                 )
             check_fits(layout, shape, object_path or path, source)
-            return source, layout
+            return (source, layout, None) if detail else (source, layout)
     if layout_map is not None:
-        rule, layout = layout_map.resolve(shape, object_path, path)
-        if layout is not None:
-            return rule, layout
-    return None, Layout.replicated(mesh, len(shape))
+        choice = layout_map.choose(shape, object_path, path)
+        if choice.layout is not None:
+            if detail:
+                return choice.rule, choice.layout, choice
+            return choice.rule, choice.layout
+    layout = Layout.replicated(mesh, len(shape))
+    return (None, layout, None) if detail else (None, layout)
 
 
 class _Resolving:

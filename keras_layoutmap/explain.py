@@ -1,4 +1,10 @@
-"""`LayoutMap.explain(model)`: which rule places each weight, and the cost."""
+"""`LayoutMap.explain(model)`: which rule places each weight, and the cost.
+
+The report also says which layout of a rule with fallbacks placed each
+weight (and why the earlier ones were refused), and what strict mode finds
+wrong with the plan: rules that match no weight, and large weights that no
+rule chose, replicated on every device.
+"""
 
 import dataclasses
 import io
@@ -9,6 +15,15 @@ from keras_layoutmap.layout import layout_bytes_per_device
 
 @dataclasses.dataclass(frozen=True)
 class WeightRow:
+    """One weight: its names, shape, the rule (or `<weight>_layout=` kwarg)
+    that placed it (None: no rule, replicated), the layout and its cost.
+
+    For a rule with fallbacks, `alternative` is the index (0-based) of the
+    layout that placed the weight among the rule's `alternatives`, and
+    `refused` holds `(sharding_specs, reason)` for each earlier one;
+    `alternative` is None for a rule with one layout.
+    """
+
     path: str
     object_path: str
     shape: tuple
@@ -16,6 +31,30 @@ class WeightRow:
     rule: object  # the key that matched, or None
     layout: object
     bytes_per_device: int
+    alternative: object = None
+    alternatives: int = 1
+    refused: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A strict-mode finding: `kind` is `"unused_rule"` (a rule that matches
+    no weight) or `"replicated_weight"` (a weight above the map's
+    `max_replicated_bytes` that no rule chose); `subject` is the rule or the
+    weight's path."""
+
+    kind: str
+    subject: str
+    message: str
+
+
+class StrictModeError(ValueError):
+    """Strict mode found rules that match nothing or large weights that no
+    rule places; `findings` lists them."""
+
+    def __init__(self, message, findings):
+        super().__init__(message)
+        self.findings = list(findings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,37 +62,126 @@ class Report:
     rows: list
     unused_rules: list  # rules that match no weight
     shadowed_rules: list  # rules that match only weights an earlier rule won
+    findings: list = dataclasses.field(default_factory=list)  # strict mode
+    strict: bool = False  # whether the map was strict
+    mesh: object = None
 
     @property
     def bytes_per_device(self):
         return sum(r.bytes_per_device for r in self.rows)
 
-    def __str__(self):
+    @property
+    def fallbacks_used(self):
+        """Rows placed by a later layout of a rule with fallbacks."""
+        return [r for r in self.rows if r.alternative]
+
+    def raise_for_strict(self):
+        """Raise `StrictModeError` (a `ValueError`) naming every rule that
+        matches no weight and every large weight no rule placed."""
+        if not self.findings:
+            return
+        raise StrictModeError(
+            f"Strict mode: {len(self.findings)} problem(s) with the layout "
+            "plan:\n" + "\n".join(f"  - {f.message}" for f in self.findings),
+            self.findings,
+        )
+
+    def to_dict(self):
+        """The report as JSON-ready data."""
+        mesh = self.mesh
+        return {
+            "mesh": None if mesh is None else dict(zip(mesh.axis_names, mesh.shape)),
+            "weights": [
+                {
+                    "path": r.path,
+                    "object_path": r.object_path,
+                    "shape": list(r.shape),
+                    "dtype": r.dtype,
+                    "rule": r.rule,
+                    "layout": r.layout.sharding_specs,
+                    "bytes_per_device": r.bytes_per_device,
+                    "alternative": r.alternative,
+                    "alternatives": r.alternatives,
+                    "refused": [{"layout": specs, "reason": why}
+                                for specs, why in r.refused],
+                }
+                for r in self.rows
+            ],
+            "bytes_per_device": self.bytes_per_device,
+            "unused_rules": list(self.unused_rules),
+            "shadowed_rules": list(self.shadowed_rules),
+            "strict": self.strict,
+            "strict_findings": [dataclasses.asdict(f) for f in self.findings],
+        }
+
+    def render(self, width=None):
+        """The report as text, `width` columns wide (None: the terminal's
+        width, as rich finds it; columns fold to fit)."""
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title="LayoutMap.explain", show_lines=False)
         for col in ("object path", "variable path", "shape", "rule",
                     "layout", "bytes/device"):
-            table.add_column(col, justify="right" if col == "bytes/device"
-                             else "left")
+            table.add_column(
+                col, overflow="fold",
+                justify="right" if col == "bytes/device" else "left",
+            )
         for r in self.rows:
+            layout = str(r.layout.sharding_specs)
+            if r.alternative is not None:
+                layout += f" (alt {r.alternative + 1}/{r.alternatives})"
             table.add_row(
                 r.object_path, r.path, str(r.shape),
                 "-" if r.rule is None else str(r.rule),
-                str(r.layout.sharding_specs), f"{r.bytes_per_device:,}",
+                layout, f"{r.bytes_per_device:,}",
             )
         out = io.StringIO()
-        console = Console(file=out, width=160, color_system=None)
+        console = Console(file=out, width=width, color_system=None,
+                          highlight=False, soft_wrap=False)
         console.print(table)
-        console.print(f"total bytes per device: {self.bytes_per_device:,}")
+        devices = "" if self.mesh is None else f" ({self.mesh.size} devices)"
+        console.print(f"total bytes per device: {self.bytes_per_device:,}{devices}")
         if self.unused_rules:
             console.print(f"rules matching no weight: {self.unused_rules}")
         if self.shadowed_rules:
             console.print(
                 f"rules shadowed by earlier rules: {self.shadowed_rules}"
             )
+        for r in self.fallbacks_used:
+            refused = "; ".join(f"{specs}: {why}" for specs, why in r.refused)
+            console.print(
+                f"fallback: {r.object_path} took layout {r.alternative + 1} of "
+                f"{r.alternatives} of rule {r.rule!r}; refused {refused}"
+            )
+        if self.findings:
+            head = "strict mode" if self.strict else "strict mode would find"
+            console.print(f"{head}: {len(self.findings)} problem(s)")
+            for f in self.findings:
+                console.print(f"  - {f.message}")
         return out.getvalue()
+
+    def __str__(self):
+        return self.render()
+
+
+def _findings(rows, unused, layout_map):
+    limit = layout_map.max_replicated_bytes
+    found = [
+        Finding("unused_rule", rule, f"rule {rule!r} matches no weight")
+        for rule in unused
+    ]
+    for r in rows:
+        if r.rule is None and r.bytes_per_device > limit:
+            found.append(Finding(
+                "replicated_weight", r.path,
+                f"weight {r.object_path!r} ({r.path}, shape {r.shape}, "
+                f"{r.bytes_per_device:,} bytes) matches no rule and is "
+                f"replicated on every device; strict mode allows at most "
+                f"{limit:,} bytes (max_replicated_bytes). Add a rule for it, "
+                "or one that replicates it on purpose.",
+            ))
+    return found
 
 
 def explain(model, layout_map):
@@ -65,12 +193,12 @@ def explain(model, layout_map):
     for variable in model.weights:
         object_path, owner = owners.get(id(variable), (variable.path, None))
         shape = tuple(int(d) for d in variable.shape)
-        rule, layout = resolve_weight(
+        matched.update(layout_map.matching_rules(object_path, variable.path))
+        rule, layout, choice = resolve_weight(
             owner, variable.name, shape, object_path, variable.path,
-            layout_map, layout_map.device_mesh,
+            layout_map, layout_map.device_mesh, detail=True,
         )
         won.add(rule)
-        matched.update(layout_map.matching_rules(object_path, variable.path))
         rows.append(
             WeightRow(
                 path=variable.path,
@@ -82,10 +210,18 @@ def explain(model, layout_map):
                 bytes_per_device=layout_bytes_per_device(
                     layout, shape, variable.dtype
                 ),
+                alternative=None if choice is None else choice.index,
+                alternatives=1 if choice is None else choice.count,
+                refused=() if choice is None else tuple(
+                    (lt.sharding_specs, why) for lt, why in choice.refused
+                ),
             )
         )
     keys = list(layout_map)
     unused = [k for k in keys if k not in matched]
     shadowed = [k for k in keys if k in matched and k not in won]
-    return Report(rows=rows, unused_rules=unused, shadowed_rules=shadowed)
-
+    return Report(
+        rows=rows, unused_rules=unused, shadowed_rules=shadowed,
+        findings=_findings(rows, unused, layout_map),
+        strict=layout_map.strict, mesh=layout_map.device_mesh,
+    )

@@ -11,12 +11,21 @@ from keras_layoutmap.mesh import as_mesh
 UNSHARDED = "unsharded"
 
 
+class NotALayoutError(TypeError, ValueError):
+    """A value that is not a layout where one is expected.
+
+    A `TypeError` (the wrong kind of value) that is also a `ValueError`, the
+    error TF-Keras 2's and Keras 3's `LayoutMap` raise for it, so code written
+    against either catches it.
+    """
+
+
 def _normalize_spec(spec, where):
     if spec is None or spec == UNSHARDED:
         return None
     if isinstance(spec, str):
         return spec
-    raise TypeError(
+    raise NotALayoutError(
         f"{where}: each sharding spec must be a mesh axis name, "
         f"`klm.UNSHARDED` or None. Received: {spec!r} of type "
         f"{type(spec).__name__}"
@@ -80,11 +89,20 @@ class Layout(keras_distribution.TensorLayout):
     @classmethod
     def replicated(cls, mesh, rank):
         """A layout that keeps all `rank` dimensions whole on every device."""
-        return cls([UNSHARDED] * rank, mesh)
+        return cls([UNSHARDED] * _check_rank(rank, "Layout.replicated"), mesh)
 
     @classmethod
     def batch_sharded(cls, mesh, batch_dim, rank, axis=0):
         """A layout that splits dimension `axis` over mesh axis `batch_dim`."""
+        rank = _check_rank(rank, "Layout.batch_sharded")
+        if isinstance(axis, bool) or not isinstance(axis, int) or not (
+            -rank <= axis < rank
+        ):
+            raise ValueError(
+                f"Layout.batch_sharded: `axis` must be a dimension of a rank-"
+                f"{rank} tensor, an int in [{-rank}, {rank - 1}]. Received: "
+                f"axis={axis!r}"
+            )
         specs = [UNSHARDED] * rank
         specs[axis] = batch_dim
         return cls(specs, mesh)
@@ -92,6 +110,12 @@ class Layout(keras_distribution.TensorLayout):
     @classmethod
     def inner_sharded(cls, mesh, dim, rank):
         """A layout that splits the last dimension over mesh axis `dim`."""
+        rank = _check_rank(rank, "Layout.inner_sharded")
+        if rank < 1:
+            raise ValueError(
+                "Layout.inner_sharded: a rank-0 tensor has no last dimension "
+                "to shard; expected `rank` >= 1. Received: rank=0"
+            )
         return cls.batch_sharded(mesh, dim, rank, axis=rank - 1)
 
     @classmethod
@@ -162,20 +186,74 @@ class Layout(keras_distribution.TensorLayout):
         return f"Layout({self.sharding_specs}, {self.mesh!r})"
 
 
+def _check_rank(rank, where):
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(
+            f"{where}: `rank` must be a non-negative int (the number of "
+            f"dimensions). Received: rank={rank!r}"
+        )
+    return rank
+
+
+def is_spec_sequence(value):
+    """Whether `value` is one layout written as a tuple/list of axis names
+    (every item a string or None), as opposed to a list of layouts."""
+    return isinstance(value, (tuple, list)) and all(
+        v is None or isinstance(v, str) for v in value
+    )
+
+
 def as_layout(value, mesh=None, where="Layout"):
     """Turn a `Layout`, a `TensorLayout` or a tuple of axis names into a
-    `Layout`; raise `TypeError` for anything else."""
+    `Layout`; raise `NotALayoutError` (a `TypeError` and a `ValueError`) for
+    anything else. Errors start with `where` (e.g. the rule)."""
     if isinstance(value, keras_distribution.TensorLayout):
+        check_axes(tuple(value.axes), as_mesh(value.device_mesh or mesh), where)
         return Layout.from_keras(value, mesh)
+    if isinstance(value, str):
+        raise NotALayoutError(
+            f"{where}: a layout is a tuple with one mesh axis name (or None) "
+            f"per dimension, not a string. Received: {value!r}; for a rank-1 "
+            f"weight write ({value!r},)."
+        )
     if isinstance(value, (tuple, list)):
-        return Layout(value, mesh)
+        axes = tuple(_normalize_spec(s, where) for s in value)
+        check_axes(axes, as_mesh(mesh), where)
+        return Layout(axes, mesh)
     if isinstance(value, dict) and "sharding_specs" in value:
-        return Layout.from_config(value, mesh)
-    raise TypeError(
+        return as_layout(value["sharding_specs"], _config_mesh(value, mesh), where)
+    raise NotALayoutError(
         f"{where}: expected a `klm.Layout`, a `keras.distribution."
         "TensorLayout` or a tuple of mesh axis names. Received: "
         f"{value!r} of type {type(value).__name__}"
     )
+
+
+def _config_mesh(config, mesh):
+    from keras_layoutmap.mesh import Mesh
+
+    if mesh is None and config.get("mesh") is not None:
+        return Mesh.from_config(config["mesh"])
+    return mesh
+
+
+def fit_problem(layout, shape):
+    """Why `layout` cannot hold a tensor of `shape` (a phrase), or None."""
+    shape = tuple(int(d) for d in shape)
+    if layout.rank != len(shape):
+        return (
+            f"it has rank {layout.rank} but the weight has rank {len(shape)}"
+        )
+    for dim, (axis, size) in enumerate(zip(layout.axes, shape)):
+        if axis is None:
+            continue
+        n = layout.mesh.dim_size(axis)
+        if size % n:
+            return (
+                f"mesh axis {axis!r} (size {n}) does not divide dimension "
+                f"{dim} (size {size})"
+            )
+    return None
 
 
 def check_fits(layout, shape, path, rule):

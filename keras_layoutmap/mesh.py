@@ -130,7 +130,7 @@ class Mesh(keras_distribution.DeviceMesh):
     {0: {'x': 0, 'y': 0}, 1: {'x': 1, 'y': 0}}
     """
 
-    def __init__(self, shape, axis_names, devices=None):
+    def __init__(self, shape, axis_names, devices=None, *, _planning=False):
         axis_names = [str(a) for a in axis_names]
         if len(set(axis_names)) != len(axis_names):
             raise ValueError(
@@ -155,8 +155,26 @@ class Mesh(keras_distribution.DeviceMesh):
             devices = available
         devices = np.vectorize(_device_name, otypes=[object])(
             np.asarray(devices, dtype=object))
-        _check_devices(list(np.ravel(devices)), dims)
+        if not _planning:
+            _check_devices(list(np.ravel(devices)), dims)
         super().__init__(MeshShape(shape), axis_names, devices=devices)
+
+    @classmethod
+    def for_planning(cls, mesh_dims):
+        """A mesh of placeholder devices (`"cpu:0"`, `"cpu:1"`, ...), of any
+        size, whatever this machine has: enough for rules, `explain` and
+        `klm explain`, which never place a tensor. Nothing can be placed on
+        it unless the devices exist.
+
+        Example:
+
+        >>> import keras_layoutmap as klm
+        >>> klm.Mesh.for_planning([("batch", 16), ("model", 64)]).size
+        1024
+        """
+        names, sizes = _dims(mesh_dims)
+        return cls(sizes, names, [f"cpu:{i}" for i in range(math.prod(sizes))],
+                   _planning=True)
 
     @property
     def shape(self):
@@ -301,6 +319,18 @@ def as_mesh(mesh):
     )
 
 
+def _dims(mesh_dims):
+    """`(names, sizes)` of `[(axis_name, size), ...]`, checked."""
+    try:
+        names, sizes = zip(*[(str(n), s) for n, s in mesh_dims])
+    except (TypeError, ValueError):
+        raise ValueError(
+            "`mesh_dims` must be a list of (axis_name, size) pairs, e.g. "
+            f'[("batch", 4), ("model", 2)]. Received: {mesh_dims!r}'
+        ) from None
+    return names, _sizes(sizes, names)
+
+
 def create_mesh(mesh_dims, devices=None):
     """Create a `Mesh` from `[(axis_name, size), ...]`.
 
@@ -317,14 +347,7 @@ def create_mesh(mesh_dims, devices=None):
     >>> klm.create_mesh([("batch", 1)], devices=klm.list_devices()[:1]).size
     1
     """
-    try:
-        names, sizes = zip(*[(str(n), s) for n, s in mesh_dims])
-    except (TypeError, ValueError):
-        raise ValueError(
-            "`mesh_dims` must be a list of (axis_name, size) pairs, e.g. "
-            f'[("batch", 4), ("model", 2)]. Received: {mesh_dims!r}'
-        ) from None
-    sizes = _sizes(sizes, names)
+    names, sizes = _dims(mesh_dims)
     if devices is not None:
         devices = list(np.ravel(np.asarray(devices, dtype=object)))
         if len(devices) != math.prod(sizes):

@@ -13,7 +13,7 @@ import functools
 from keras import distribution as keras_distribution
 from keras import models as keras_models
 
-from keras_layoutmap import backends
+from keras_layoutmap import backends, strict
 from keras_layoutmap.layer_kwargs import remembered_distribution
 from keras_layoutmap.placement import place_model
 
@@ -63,10 +63,10 @@ def _wrap(original):
             _check_backend_trains(name, dist)
             with dist.scope():
                 place_model(self, dist)
-                return original(self, *args, **kwargs)
+                return strict.run_checked(original, self, dist, args, kwargs)
         _check_backend_trains(name, dist)
         place_model(self, dist)
-        return original(self, *args, **kwargs)
+        return strict.run_checked(original, self, dist, args, kwargs)
 
     method._klm_wrapped = True
     return method

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
-           "metrics"]
+           "metrics", "placement", "processes", "initializers", "strict"]
 
 
 @pytest.mark.sharding

@@ -92,31 +92,82 @@ def test_invalid_regex(mesh_2d):
 
 
 def test_duplicate_key(layout_map):
-    with pytest.raises(ValueError, match=r"Rule '\.\*kernel' is already in"):
+    # Keras 3 and TF-Keras 2 raise ValueError "... already exist ...".
+    with pytest.raises(ValueError, match=r"Rule '\.\*kernel' already exists in "
+                       r"the LayoutMap with layout \['model', 'unsharded'\]"):
         layout_map[r".*kernel"] = (None, None)
     assert layout_map["x.kernel"].axes == ("model", None)
 
 
 def test_value_not_a_layout(mesh_2d):
     lm = klm.LayoutMap(mesh_2d)
-    with pytest.raises(TypeError, match=r"Rule 'w'.*Received: 3 of type int"):
-        lm["w"] = 3
+    # A TypeError, and the ValueError Keras 3 / TF-Keras 2 raise for it.
+    for error in (TypeError, ValueError):
+        with pytest.raises(error, match=r"Rule 'w'.*Received: 3 of type int"):
+            lm["w"] = 3
     assert "w" not in list(lm)
 
 
 def test_axis_not_in_mesh(mesh_2d):
     lm = klm.LayoutMap(mesh_2d)
-    with pytest.raises(ValueError, match=r"'feature' is not in the mesh.*"
-                       r"'batch': 4, 'model': 2"):
+    with pytest.raises(ValueError, match=r"^Rule 'w': axis 'feature' is not in "
+                       r"the mesh.*'batch': 4, 'model': 2.*received sharding "
+                       r"specs \[None, 'feature'\]"):
         lm["w"] = (None, "feature")
+    assert len(lm) == 0
+
+
+def test_axis_not_in_mesh_given_as_a_layout_without_mesh(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(ValueError, match=r"^Rule 'w': axis 'feature' is not"):
+        lm["w"] = keras.distribution.TensorLayout([None, "feature"])
     assert len(lm) == 0
 
 
 def test_axis_used_twice(mesh_2d):
     lm = klm.LayoutMap(mesh_2d)
-    with pytest.raises(ValueError, match="'model' is used for more than one"):
+    with pytest.raises(ValueError, match=r"^Rule 'w': mesh axis 'model' is used "
+                       r"for more than one dimension in \['model', 'model'\]"):
         lm["w"] = ("model", "model")
     assert len(lm) == 0
+
+
+def test_axis_not_a_string(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(TypeError, match=r"^Rule 'w': each sharding spec must be "
+                       r"a mesh axis name.*Received: 3 of type int"):
+        lm["w"] = (None, 3)
+    assert len(lm) == 0
+
+
+def test_spec_written_as_a_string_is_not_split_into_letters(mesh_2d):
+    lm = klm.LayoutMap(mesh_2d)
+    with pytest.raises(TypeError, match=r"^Rule 'w': a layout is a tuple.*not a "
+                       r"string. Received: 'model'; for a rank-1 weight write "
+                       r"\('model',\)"):
+        lm["w"] = "model"
+    assert len(lm) == 0
+
+
+def test_refused_rule_leaves_a_meshless_map_unchanged(mesh_2d):
+    lm = klm.LayoutMap()
+    with pytest.raises(ValueError, match="Rule 'w'.*no mesh"):
+        lm["w"] = keras.distribution.TensorLayout(["feature"])
+    assert lm.device_mesh is None and len(lm) == 0
+
+
+def test_batch_sharded_axis_out_of_range(mesh_2d):
+    with pytest.raises(ValueError, match=r"Layout.batch_sharded: `axis` must be "
+                       r"a dimension of a rank-2 tensor, an int in \[-2, 1\]. "
+                       r"Received: axis=5"):
+        klm.Layout.batch_sharded(mesh_2d, "batch", rank=2, axis=5)
+    with pytest.raises(ValueError, match=r"`rank` must be a non-negative int.*"
+                       r"rank=-1"):
+        klm.Layout.replicated(mesh_2d, rank=-1)
+    with pytest.raises(ValueError, match="rank-0 tensor has no last dimension"):
+        klm.Layout.inner_sharded(mesh_2d, "model", rank=0)
+    assert klm.Layout.batch_sharded(mesh_2d, "batch", 2, axis=-1).axes == (
+        None, "batch")
 
 
 def test_layout_on_another_mesh(mesh_2d):
@@ -203,6 +254,47 @@ def test_from_config_rejects_garbage():
         klm.LayoutMap.from_config({"nope": 1})
 
 
+@pytest.mark.parametrize("entry, error, message", [
+    ([".*kernel"], ValueError,
+     r"Rule entry 0 is \['\.\*kernel'\]; expected a \[regex, sharding_specs\] pair"),
+    ("not a pair", ValueError, r"Rule entry 0 is 'not a pair'; expected"),
+    ({"rule": ".*kernel"}, ValueError,
+     r"Rule entry 0 is a table .*expected exactly the keys 'rule'.*and "
+     r"'layout'.*missing \['layout'\]"),
+    ([".*kernel", "model"], TypeError,
+     r"Rule '\.\*kernel': a layout is a tuple.*not a string. Received: 'model'"),
+    ([".*kernel", [None, "feature"]], ValueError,
+     r"Rule '\.\*kernel': axis 'feature' is not in the mesh"),
+    ([".*kernel", ["model", "model"]], ValueError,
+     r"Rule '\.\*kernel': mesh axis 'model' is used for more than one"),
+    ([".*kernel", [None, 2]], TypeError,
+     r"Rule '\.\*kernel': each sharding spec must be a mesh axis name.*"
+     r"Received: 2 of type int"),
+])
+def test_malformed_rule_entries_name_the_rule(mesh_2d, entry, error, message):
+    with pytest.raises(error, match=message):
+        klm.LayoutMap.from_config({"rules": [entry]}, mesh=mesh_2d)
+
+
+def test_rules_file_errors_name_the_file_and_rule(tmp_path, mesh_2d):
+    toml = tmp_path / "r.toml"
+    toml.write_text('[[rules]]\nrule = ".*kernel"\n')
+    with pytest.raises(ValueError, match=r"r\.toml: Rule entry 0 is a table.*"
+                       r"missing \['layout'\]"):
+        klm.LayoutMap.from_file(toml, mesh=mesh_2d)
+    yaml_file = tmp_path / "r.yaml"
+    yaml_file.write_text("rules:\n  - ['.*kernel', model]\n")
+    with pytest.raises(TypeError, match=r"r\.yaml: Rule '\.\*kernel': a layout is "
+                       r"a tuple.*not a string"):
+        klm.LayoutMap.from_file(yaml_file, mesh=mesh_2d)
+    broken = tmp_path / "r.json"
+    broken.write_text('{"rules": [')
+    with pytest.raises(ValueError, match=r"r\.json: not valid JSON"):
+        klm.LayoutMap.from_file(broken, mesh=mesh_2d)
+    with pytest.raises(FileNotFoundError):
+        klm.LayoutMap.from_file(tmp_path / "missing.json", mesh=mesh_2d)
+
+
 def test_from_keras_layout_map(mesh_2d):
     keras_map = keras.distribution.LayoutMap(mesh_2d)
     keras_map["token_embedding/embeddings"] = ("model", None)
@@ -227,3 +319,29 @@ def test_matcher_agrees_with_a_naive_first_match_loop():
     for key in keys:
         naive = next((i for i, r in enumerate(rules) if re.fullmatch(r, key)), None)
         assert matcher.first(key) == naive, key
+
+
+@pytest.mark.parametrize("join_after", [1, 3, 10_000])
+def test_matcher_blocks_agree_with_a_naive_loop(monkeypatch, join_after):
+    # Many broad rules span several blocks; joined (after `join_after`
+    # tries) or not, first() and all() agree with a naive loop.
+    import re
+
+    from keras_layoutmap.layout_map import _Matcher
+
+    monkeypatch.setattr(_Matcher, "JOIN_AFTER", join_after)
+    rules = [rf".*blk_{j}\..*" for j in range(100)]
+    rules[37] = r".*blk_(\d)\1\..*"  # a back-reference: never joined
+    rules[70] = r"(?i).*BLK_7\d\.kernel"  # inline flags: never joined
+    rules += [r"blk_5\.kernel", r".*kernel", r"blk_.*"]
+    keys = [f"blk_{j}.{w}" for j in range(0, 110, 3) for w in ("kernel", "bias")]
+    matcher = _Matcher(rules)
+    for _ in range(3):
+        for key in keys:
+            hits = [i for i, r in enumerate(rules) if re.fullmatch(r, key)]
+            assert matcher.all(key) == hits, key
+            assert matcher.first(key) == (hits[0] if hits else None), key
+    for key in keys:  # first() without all() having seen the key
+        fresh = _Matcher(rules)
+        naive = next((i for i, r in enumerate(rules) if re.fullmatch(r, key)), None)
+        assert fresh.first(key) == naive

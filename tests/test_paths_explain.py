@@ -98,7 +98,7 @@ def test_explain_report():
     assert report.unused_rules == [r"nothing.*"]
     assert report.shadowed_rules == [r"blocks\.0\.dense\.kernel"]
     assert report.bytes_per_device == sum(r.bytes_per_device for r in report.rows)
-    text = str(report)
+    text = report.render(width=200)
     assert "feature.kernel" in text and "shadowed" in text
     assert f"{report.bytes_per_device:,}" in text
 
@@ -170,3 +170,36 @@ def test_model_inside_a_functional_model_keeps_its_own_paths():
     late.build((None, 4))
     dense = late.layers[0].get_layer("blk").dense
     assert paths.object_path(dense, "kernel") == "blk.dense.kernel"
+
+
+def _long_names_report():
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    lm = klm.LayoutMap(mesh)
+    lm[r"a_rather_long_layer_name_for_a_block_\d+\.dense\.kernel"] = (None, "model")
+    lm[r"a_rule_that_matches_nothing_at_all_and_has_a_long_name\.kernel"] = (None,)
+    inputs = keras.Input((4,))
+    x = inputs
+    for i in range(3):
+        x = keras.layers.Dense(8, name=f"a_rather_long_layer_name_for_a_block_{i}")(x)
+    return lm.explain(keras.Model(inputs, x))
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_table_fits_the_width(width):
+    text = _long_names_report().render(width=width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert "rules matching no weight" in text
+    # Every weight has its row (long paths fold onto several lines).
+    assert text.count("(4, 8)") == 1 and text.count("(8, 8)") == 2
+    assert text.count("(8,) ") == 3
+
+
+def test_str_uses_the_terminal_width(monkeypatch):
+    report = _long_names_report()
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = str(report)
+    monkeypatch.setenv("COLUMNS", "200")
+    wide = str(report)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    assert max(len(line) for line in wide.splitlines()) > 80

@@ -1,0 +1,257 @@
+"""`python -m keras_layoutmap explain` (or `klm explain`): check a sharding
+plan from the command line, without allocating the weights.
+
+    klm explain MODEL --mesh batch=1,model=8 [--rules FILE] [--json] [--strict]
+
+MODEL is `module:function` (a function that returns a model, importable from
+the current folder or `PYTHONPATH`) or a `.keras` file. The model is built
+inside `keras.StatelessScope(initialize_variables=False)`: every weight
+gets its shape, dtype and path, none gets memory, so a 7B-parameter model is
+explained on a laptop in seconds. The mesh is made of named placeholder
+devices: explain never places a tensor, so the mesh may be larger than the
+devices this machine has (a plan for a cluster, checked on a laptop).
+
+Rules come from `--rules` (a JSON, YAML or TOML rules file, see
+`LayoutMap.from_file`), or else from the model's own
+`get_layout_map(device_mesh)` (keras-hub backbones have one; a task model's
+`backbone` is asked too).
+
+Exit status: 0; 1 when `--strict` finds a rule that matches no weight or a
+large weight no rule places; 2 for bad input (a missing file, a mesh that
+cannot be parsed, a rules file of the wrong schema, a model that cannot be
+built).
+
+This module imports nothing heavy until the arguments are parsed: `--help`
+needs no Keras and no backend.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+
+# More devices than this is no mesh any machine builds: refuse it, rather
+# than spend the memory on a table of placeholder devices.
+MAX_MESH_DEVICES = 1 << 20
+
+
+class InputError(Exception):
+    """Bad input on the command line: reported in one line, exit status 2."""
+
+
+def parse_mesh(text):
+    """`"batch=1,model=8"` -> `[("batch", 1), ("model", 8)]`."""
+    dims = []
+    for part in text.split(","):
+        name, sep, size = part.strip().partition("=")
+        name, size = name.strip(), size.strip()
+        if not sep or not name or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"cannot parse {text!r}: expected comma-separated axis=size "
+                "pairs with positive integer sizes, e.g. batch=1,model=8 "
+                f"(the part {part!r} is not one)"
+            )
+        if name in dict(dims):
+            raise argparse.ArgumentTypeError(
+                f"cannot parse {text!r}: axis {name!r} appears twice"
+            )
+        dims.append((name, int(size)))
+    size = math.prod(s for _, s in dims)
+    if size > MAX_MESH_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"the mesh {text!r} has {size:,} devices; at most "
+            f"{MAX_MESH_DEVICES:,} are accepted"
+        )
+    return dims
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="klm",
+        description="keras-layoutmap from the command line.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="COMMAND")
+    explain = commands.add_parser(
+        "explain",
+        help="which rule places each weight of a model, and what it costs "
+        "per device, without allocating the weights",
+        description="Print which rule places each weight of MODEL on a mesh, "
+        "the bytes per device, rules that match nothing or are shadowed, "
+        "fallback layouts used and strict-mode findings. The weights are "
+        "never allocated (shapes only).",
+    )
+    explain.add_argument(
+        "model", metavar="MODEL",
+        help="module:function returning a model (importable from the current "
+        "folder or PYTHONPATH), or a .keras file",
+    )
+    explain.add_argument(
+        "--mesh", required=True, type=parse_mesh, metavar="AXIS=SIZE,...",
+        help="the mesh's axes and sizes, e.g. batch=1,model=8; it may be "
+        "larger than this machine's devices",
+    )
+    explain.add_argument(
+        "--rules", metavar="FILE",
+        help="a JSON, YAML or TOML rules file; default: the model's own "
+        "get_layout_map(mesh)",
+    )
+    explain.add_argument(
+        "--json", action="store_true",
+        help="print one JSON document instead of the table",
+    )
+    explain.add_argument(
+        "--strict", action="store_true",
+        help="exit with status 1 when a rule matches no weight or a weight "
+        "larger than --max-replicated-bytes is replicated by no rule",
+    )
+    explain.add_argument(
+        "--max-replicated-bytes", type=int, default=None, metavar="N",
+        help="the largest weight strict mode lets go replicated without a "
+        "rule (default: the rules file's, else 1 MiB)",
+    )
+    explain.add_argument(
+        "--width", type=int, default=None, metavar="COLUMNS",
+        help="the table's width (default: the terminal's)",
+    )
+    return parser
+
+
+def main(argv=None):
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _explain(args)
+    except InputError as e:
+        print(f"klm explain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _full_package():
+    # `python -m keras_layoutmap` may have imported the package without its
+    # heavy part while Python located `__main__`; load it whole now.
+    klm = importlib.import_module("keras_layoutmap")
+    if not hasattr(klm, "LayoutMap"):
+        klm = importlib.reload(klm)
+    return klm
+
+
+def planning_mesh(dims):
+    """A mesh of named placeholder devices (`"cpu:0"`, ...): enough for
+    rules and explain, which never place a tensor."""
+    klm = _full_package()
+    return klm.Mesh.for_planning(dims)
+
+
+def build_model(spec):
+    """The model named by `spec`, built with shapes only (no weight gets
+    memory)."""
+    import keras
+
+    with keras.StatelessScope(initialize_variables=False):
+        if spec.endswith(".keras"):
+            return _load_keras_file(spec)
+        return _call_builder(spec)
+
+
+def _call_builder(spec):
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InputError(
+            f"MODEL {spec!r} is neither a .keras file nor module:function "
+            "(e.g. my_models:build_gemma)"
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise InputError(
+                f"cannot import module {module_name!r} of MODEL {spec!r} from "
+                f"the current folder ({os.getcwd()}) or PYTHONPATH"
+            ) from None
+        raise
+    builder = module
+    for part in attr.split("."):
+        if not hasattr(builder, part):
+            raise InputError(f"module {module_name!r} has no {attr!r} (MODEL {spec!r})")
+        builder = getattr(builder, part)
+    model = builder() if callable(builder) else builder
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise InputError(
+            f"{spec} returned {type(model).__name__}, expected a keras.Model"
+        )
+    return model
+
+
+def _load_keras_file(path):
+    import zipfile
+
+    import keras
+
+    if not os.path.exists(path):
+        raise InputError(f"model file {path!r} does not exist")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise InputError(f"{path!r} is not a .keras model file: {e}") from None
+    config.pop("compile_config", None)  # no optimizer: only the weights count
+    return keras.saving.deserialize_keras_object(config)
+
+
+def _model_layout_map(model, mesh):
+    """The rules the model's class provides (`get_layout_map(mesh)`), looking
+    at a task model's backbone too."""
+    klm = _full_package()
+    for owner in (model, getattr(model, "backbone", None)):
+        get = getattr(type(owner), "get_layout_map", None)
+        if owner is not None and get is not None:
+            return klm.LayoutMap.from_keras(get(mesh), mesh), (
+                f"{type(owner).__name__}.get_layout_map")
+    raise InputError(
+        f"no --rules given and {type(model).__name__} has no get_layout_map(); "
+        "pass --rules FILE"
+    )
+
+
+def _explain(args):
+    klm = _full_package()
+    mesh = planning_mesh(args.mesh)
+    if args.rules is not None and not os.path.exists(args.rules):
+        raise InputError(f"rules file {args.rules!r} does not exist")
+    model = build_model(args.model)
+    if args.rules is not None:
+        try:
+            layout_map = klm.LayoutMap.from_file(args.rules, mesh=mesh)
+        except (ValueError, TypeError) as e:
+            raise InputError(str(e)) from None
+        source = args.rules
+    else:
+        layout_map, source = _model_layout_map(model, mesh)
+    if args.strict:
+        layout_map.strict = True
+    if args.max_replicated_bytes is not None:
+        layout_map.max_replicated_bytes = args.max_replicated_bytes
+    report = layout_map.explain(model)
+    params = sum(math.prod(r.shape) for r in report.rows)
+    if args.json:
+        document = {"model": args.model, "model_name": model.name,
+                    "parameters": params, "rules_source": source,
+                    **report.to_dict()}
+        print(json.dumps(document, indent=2))
+    else:
+        print(f"model {model.name!r} from {args.model}: {len(report.rows)} "
+              f"weights, {params:,} parameters; mesh {mesh!r}; rules from "
+              f"{source}")
+        print(report.render(width=args.width), end="")
+    return 1 if args.strict and report.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
