@@ -34,11 +34,14 @@ __version__ = "0.1.0"
 __all__ = [
     "UNSHARDED",
     "DataParallel",
+    "Finding",
     "Layout",
     "LayoutMap",
     "Mesh",
     "ModelParallel",
+    "NotALayoutError",
     "Report",
+    "StrictModeError",
     "WeightRow",
     "configure_virtual_devices",
     "copy_to_mesh",
@@ -83,8 +86,8 @@ if not _LIGHT:
         distribution,
         set_distribution,
     )
-    from keras_layoutmap.explain import Report, WeightRow
-    from keras_layoutmap.layout import UNSHARDED, Layout
+    from keras_layoutmap.explain import Finding, Report, StrictModeError, WeightRow
+    from keras_layoutmap.layout import UNSHARDED, Layout, NotALayoutError
     from keras_layoutmap.layout_map import LayoutMap, layout_map_scope
     from keras_layoutmap.mesh import (
         Mesh,
