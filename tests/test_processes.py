@@ -139,16 +139,15 @@ def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
 def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
     script = tmp_path / "cluster.py"
     script.write_text(
-        "import keras_layoutmap as klm\n"
+        "import pathlib, sys, keras_layoutmap as klm\n"
         "klm.initialize()  # a cluster script, run on one machine\n"
         "mesh = klm.create_mesh([('batch', 8)])\n"
-        "print(klm.process_index(), klm.process_count(), len(klm.list_devices()),"
-        " mesh.num_local_devices(), flush=True)\n")
-    result = launch(2, "--devices-per-process", 4, script, timeout=180)
+        "pathlib.Path(sys.argv[1], str(klm.process_index())).write_text(\n"
+        "    f'{klm.process_count()} {len(klm.list_devices())} '\n"
+        "    f'{mesh.num_local_devices()}')\n")
+    result = launch(2, "--devices-per-process", 4, script, tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = sorted(line for line in result.stdout.splitlines()
-                   if line[:1].isdigit())
-    assert lines == ["0 2 8 4", "1 2 8 4"]
+    assert [(tmp_path / r).read_text() for r in "01"] == ["2 8 4", "2 8 4"]
 
 
 @pytestmark_mp

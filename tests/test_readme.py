@@ -40,7 +40,9 @@ def test_first_snippet_runs_as_pasted(tmp_path):
         "assert klm.fetch_layout(model.layers[0].kernel).sharding_specs == "
         "['unsharded', 'model']\n"
         "print('SNIPPET OK', accuracy)\n"))
-    env = dict(os.environ, KERAS_BACKEND=backends.name(), TF_CPP_MIN_LOG_LEVEL="3")
+    # A terminal wide enough that explain's table keeps each path on a line.
+    env = dict(os.environ, KERAS_BACKEND=backends.name(), TF_CPP_MIN_LOG_LEVEL="3",
+               COLUMNS="160")
     result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -1,0 +1,111 @@
+"""Peak host memory while building a weight of 2 GiB sharded 8 ways, over
+the weight's size (issue: weights born sharded; goal <= 1.25, physical 1.0).
+
+    python benchmarks/build_memory.py            # JAX and TensorFlow, if installed
+    python benchmarks/build_memory.py --gib 0.5  # a smaller weight
+
+Each case runs in a fresh process (peak RSS, `VmHWM`, is per process):
+
+- `klm`: an `Embedding` of `--gib` GiB built under `LayoutMap.scope()`,
+  its table sharded over 8 devices;
+- `keras`: the same with Keras' own `ModelParallel` (JAX only: Keras'
+  TensorFlow distribution is not implemented);
+- `one device`: the same layer with no distribution;
+- `rng only` (JAX): `jax.random.uniform` of the same shape in one jitted
+  call on one device, no Keras: the working memory of JAX's random number
+  generator on the CPU, which bounds what an initializer that matches one
+  device's values can reach.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+CASE = r'''
+import os, sys, time
+backend, case, gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
+os.environ["KERAS_BACKEND"] = backend
+def peak_gib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 2**20
+import keras_layoutmap as klm
+klm.configure_virtual_devices(8)
+import keras
+import numpy as np
+dim = 1024
+rows = int(gib * 2**30 / 4 / dim) // 8 * 8
+base = peak_gib()
+start = time.perf_counter()
+if case == "rng only":
+    import jax
+    value = jax.jit(lambda k: jax.random.uniform(k, (rows, dim)))(jax.random.key(0))
+    value.block_until_ready()
+else:
+    if case == "klm":
+        layout_map = klm.LayoutMap(klm.create_mesh([("model", 8)]))
+        layout_map[r"emb\.embeddings"] = ("model", None)
+        with layout_map.scope():
+            layer = keras.layers.Embedding(rows, dim, name="emb")
+            layer.build((None,))
+    elif case == "keras":
+        from keras import distribution as kd
+        mesh = kd.DeviceMesh((8,), ["model"], kd.list_devices())
+        layout_map = kd.LayoutMap(mesh)
+        layout_map["emb/embeddings"] = ("model", None)
+        kd.set_distribution(kd.ModelParallel(layout_map=layout_map,
+                                             batch_dim_name="model"))
+        layer = keras.layers.Embedding(rows, dim, name="emb")
+        layer.build((None,))
+    else:
+        layer = keras.layers.Embedding(rows, dim, name="emb")
+        layer.build((None,))
+    if backend == "jax":
+        layer.embeddings.value.block_until_ready()
+seconds = time.perf_counter() - start
+weight = rows * dim * 4 / 2**30
+print(f"{(peak_gib() - base) / weight:.2f} {seconds:.1f} {weight:.2f}")
+'''
+
+CASES = {"jax": ["klm", "keras", "one device", "rng only"],
+         "tensorflow": ["klm", "one device"]}
+
+
+def installed(backend):
+    try:
+        __import__(backend)
+    except ImportError:
+        return False
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=2.0,
+                        help="size of the weight in GiB (default 2)")
+    opts = parser.parse_args()
+    print(f"peak host memory over the weight's size, building a {opts.gib:g} "
+          "GiB Embedding (8 devices where sharded)")
+    print(f"{'backend':12}{'case':14}{'peak / weight':>14}{'build (s)':>11}")
+    for backend, cases in CASES.items():
+        if not installed(backend):
+            print(f"{backend:12}(not installed)")
+            continue
+        for case in cases:
+            result = subprocess.run(
+                [sys.executable, "-c", CASE, backend, case, str(opts.gib)],
+                capture_output=True, text=True, timeout=1200,
+                env={"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ})
+            if result.returncode:
+                print(f"{backend:12}{case:14}failed: "
+                      f"{result.stderr.strip().splitlines()[-1]}")
+                continue
+            ratio, seconds, _ = result.stdout.split()[-3:]
+            print(f"{backend:12}{case:14}{float(ratio):>14.2f}"
+                  f"{float(seconds):>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
