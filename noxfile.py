@@ -26,6 +26,11 @@ TORCH = "torch==2.13.0"  # the CPU build; a looser pin pulls CUDA wheels
 KERAS_HUB = ["keras-hub>=0.32", "--no-deps"]
 KERAS_HUB_DEPS = [
     "regex", "absl-py", "packaging", "kagglehub", "sentencepiece", "tokenizers"]
+# The docs site: mkdocstrings reads the docstrings from source (griffe), so
+# the session installs neither keras_layoutmap nor a backend.
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10",
+        "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3",
+        "ruff"]  # ruff: mkdocstrings formats signatures with it
 
 
 def _check_python(session):
@@ -101,3 +106,13 @@ def lint(session):
     session.install("ruff")
     session.run("ruff", "check", "keras_layoutmap", "tests", "examples",
                 "benchmarks", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def docs(session):
+    """The docs site (mkdocs.yml), warnings as errors, into site/ (or the
+    folder given after `--`)."""
+    session.install(*DOCS)
+    site = session.posargs[0] if session.posargs else "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", site,
+                env={"NO_MKDOCS_2_WARNING": "1"})
