@@ -3,7 +3,8 @@
 In a page, a line `<!-- README: snippet -->` becomes README's first
 ```` ```python ```` block, and `<!-- README: ## Some heading -->` the body of
 that README section (up to the next `## ` heading). Links README makes to
-`docs/page.md` become `page.md`. A marker that finds nothing fails the build.
+`docs/page.md` become `page.md`, named by the page's title in the nav. A
+marker that finds nothing fails the build.
 """
 
 import re
@@ -33,6 +34,10 @@ def on_page_markdown(markdown, page, config, files):
         if not part:
             raise PluginError(f"{page.file.src_path}: README.md has no "
                               f"{match.group(1)!r} to include")
-        return re.sub(r"\]\(docs/", "](", part)
+        return re.sub(r"\[([^\]]*)\]\(docs/([^)]*)\)",
+                      lambda m: f"[{titles.get(m[2], m[1])}]({m[2]})", part)
+
+    titles = {file: title for item in config.nav or [] if isinstance(item, dict)
+              for title, file in item.items()}
 
     return _MARKER.sub(replace, markdown)
