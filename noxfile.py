@@ -1,6 +1,6 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
-`nox` runs lint and the three test sessions. `tests-jax` and
+`nox` runs lint, the docs site build and the three test sessions. `tests-jax` and
 `tests-tensorflow` run every test; `tests-torch` runs the backend-neutral
 tests (`-m "not sharding"`: torch cannot place tensors on a mesh yet).
 Nothing claims what is not built.
@@ -15,7 +15,10 @@ import sys
 
 import nox
 
-nox.options.sessions = ["lint", "tests-jax", "tests-tensorflow", "tests-torch"]
+# docs is in the default list: it needs no backend (mkdocstrings reads the
+# source), builds in 4 s (13-34 s with a fresh 177 MB venv), and so catches a
+# broken docs link or a public name left out of the API reference every run.
+nox.options.sessions = ["lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox
