@@ -1,6 +1,6 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
-`nox` runs lint and the three test sessions. `tests-jax` and
+`nox` runs lint, the docs site build and the three test sessions. `tests-jax` and
 `tests-tensorflow` run every test; `tests-torch` runs the backend-neutral
 tests (`-m "not sharding"`: torch cannot place tensors on a mesh yet).
 Nothing claims what is not built.
@@ -15,7 +15,10 @@ import sys
 
 import nox
 
-nox.options.sessions = ["lint", "tests-jax", "tests-tensorflow", "tests-torch"]
+# docs is in the default list: it needs no backend (mkdocstrings reads the
+# source), builds in 4 s (13-34 s with a fresh 177 MB venv), and so catches a
+# broken docs link or a public name left out of the API reference every run.
+nox.options.sessions = ["lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox
@@ -26,6 +29,11 @@ TORCH = "torch==2.13.0"  # the CPU build; a looser pin pulls CUDA wheels
 KERAS_HUB = ["keras-hub>=0.32", "--no-deps"]
 KERAS_HUB_DEPS = [
     "regex", "absl-py", "packaging", "kagglehub", "sentencepiece", "tokenizers"]
+# The docs site: mkdocstrings reads the docstrings from source (griffe), so
+# the session installs neither keras_layoutmap nor a backend.
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10",
+        "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3",
+        "ruff"]  # ruff: mkdocstrings formats signatures with it
 
 
 def _check_python(session):
@@ -101,3 +109,13 @@ def lint(session):
     session.install("ruff")
     session.run("ruff", "check", "keras_layoutmap", "tests", "examples",
                 "benchmarks", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def docs(session):
+    """The docs site (mkdocs.yml), warnings as errors, into site/ (or the
+    folder given after `--`)."""
+    session.install(*DOCS)
+    site = session.posargs[0] if session.posargs else "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", site,
+                env={"NO_MKDOCS_2_WARNING": "1"})

@@ -59,6 +59,15 @@ class StrictModeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Report:
+    """What `layout_map.explain(model)` returns: how a plan places a model.
+
+    `rows` holds a `WeightRow` per weight; `unused_rules` the rules that
+    match no weight, `shadowed_rules` those that match only weights an
+    earlier rule won; `findings` the strict-mode `Finding`s; `strict`
+    whether the map was strict. `str(report)` (or `render()`) is the table,
+    `to_dict()` the same as JSON-ready data, `bytes_per_device` the total.
+    """
+
     rows: list
     unused_rules: list  # rules that match no weight
     shadowed_rules: list  # rules that match only weights an earlier rule won

@@ -448,7 +448,7 @@ class LayoutMap(keras_distribution.LayoutMap):
     def from_file(cls, path, mesh=None):
         """Load rules from a `.json`, `.yaml`/`.yml` or `.toml` file.
 
-        Every format holds the `get_config()` structure::
+        Every format holds the `get_config()` structure (here in YAML):
 
             mesh:
               dims: [[batch, 4], [model, 2]]
