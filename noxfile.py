@@ -108,7 +108,7 @@ def bench(session):
 def lint(session):
     session.install("ruff")
     session.run("ruff", "check", "keras_layoutmap", "tests", "examples",
-                "benchmarks", "noxfile.py")
+                "benchmarks", "docs", "noxfile.py")
 
 
 @nox.session(python=PYTHON)
