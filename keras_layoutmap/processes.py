@@ -155,6 +155,24 @@ def configure_devices(n):
     backend.join(cluster, total_devices=n)
 
 
+def devices_per_process(total_devices, cluster):
+    """How many of `total_devices` each process of `cluster` makes; an
+    error that says which process counts fit when they do not spread
+    evenly."""
+    count = cluster.num_processes
+    if total_devices % count:
+        fits = [d for d in range(1, total_devices + 1) if total_devices % d == 0]
+        raise ValueError(
+            f"configure_virtual_devices({total_devices}): {total_devices} "
+            f"devices cannot be spread evenly over the {count} processes of "
+            f"this run. Launch a number of processes that divides "
+            f"{total_devices} (one of {fits}): `python -m "
+            f"keras_layoutmap.launch -n {fits[-2] if len(fits) > 1 else 1} "
+            "script.py`."
+        )
+    return total_devices // count
+
+
 def _devices_per_process():
     return _int(os.environ, "KLM_DEVICES_PER_PROCESS")
 

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_layoutmap.processes import devices_per_process
+
 MULTI_PROCESS = True
 
 
@@ -39,19 +41,7 @@ def join(cluster, total_devices=None):
     them in this process, with collectives over gloo."""
     local_devices = None
     if total_devices is not None:
-        count = cluster.num_processes
-        if total_devices % count:
-            fits = [d for d in range(1, total_devices + 1)
-                    if total_devices % d == 0]
-            raise ValueError(
-                f"configure_virtual_devices({total_devices}): {total_devices} "
-                f"devices cannot be spread evenly over the {count} processes "
-                "of this run. Launch a number of processes that divides "
-                f"{total_devices} (one of {fits}): `python -m "
-                f"keras_layoutmap.launch -n {fits[-2] if len(fits) > 1 else 1}"
-                " script.py`."
-            )
-        local_devices = total_devices // count
+        local_devices = devices_per_process(total_devices, cluster)
     if jax.distributed.is_initialized():
         if jax.process_count() != cluster.num_processes:
             raise RuntimeError(

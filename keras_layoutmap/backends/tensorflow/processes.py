@@ -13,6 +13,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.processes import devices_per_process
+
 MULTI_PROCESS = True
 
 _STATE = {"clients": 1, "client": 0, "local": None}
@@ -52,19 +54,7 @@ def join(cluster, total_devices=None):
     """Join `cluster` as a DTensor client; with `total_devices`, make
     `total_devices / num_processes` logical CPUs here."""
     if total_devices is not None:
-        count = cluster.num_processes
-        if total_devices % count:
-            fits = [d for d in range(1, total_devices + 1)
-                    if total_devices % d == 0]
-            raise ValueError(
-                f"configure_virtual_devices({total_devices}): {total_devices} "
-                f"devices cannot be spread evenly over the {count} processes "
-                "of this run. Launch a number of processes that divides "
-                f"{total_devices} (one of {fits}): `python -m "
-                f"keras_layoutmap.launch -n {fits[-2] if len(fits) > 1 else 1}"
-                " script.py`."
-            )
-        set_cpu_devices(total_devices // count)
+        set_cpu_devices(devices_per_process(total_devices, cluster))
     os.environ["DTENSOR_CLIENT_ID"] = str(cluster.process_id)
     os.environ["DTENSOR_NUM_CLIENTS"] = str(cluster.num_processes)
     os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
