@@ -96,7 +96,7 @@ def bench(session):
     MirroredStrategy) and the two side by side."""
     session.install("-e", ".[jax,tensorflow,test]")
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",
-                   "processes.py"):
+                   "processes.py", "build_memory.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
     for script in ("memory.py", "tf_data_parallel.py", "processes.py"):
         session.run("python", f"benchmarks/{script}",
