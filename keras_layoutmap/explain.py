@@ -197,6 +197,7 @@ def explain(model, layout_map):
         rule, layout, choice = resolve_weight(
             owner, variable.name, shape, object_path, variable.path,
             layout_map, layout_map.device_mesh, detail=True,
+            dtype=variable.dtype,
         )
         won.add(rule)
         rows.append(

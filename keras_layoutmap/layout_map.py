@@ -266,9 +266,11 @@ class LayoutMap(keras_distribution.LayoutMap):
         choice = self.choose(shape, *keys)
         return choice.rule, choice.layout
 
-    def choose(self, shape, *keys):
+    def choose(self, shape, *keys, dtype=None):
         """Like `resolve`, as a `Choice`: also which alternative of the rule
-        placed the weight and why the earlier ones were refused."""
+        placed the weight and why the earlier ones were refused. `dtype`
+        (the weight's, when known) is for maps with a size-based default
+        policy (`klm.fsdp`); rules ignore it."""
         rule, _ = self.match(*keys)
         if rule is None:
             if self._device_mesh is None:
