@@ -7,7 +7,6 @@ import pytest
 
 import keras_layoutmap as klm
 from tests.conftest import fake_mesh
-from tests.test_keras_hub import TINY_GEMMA
 
 
 def mlp():
@@ -78,7 +77,7 @@ def test_rules_argument_and_config_round_trip():
     layout_map = klm.fsdp(mesh, axis="model", min_bytes=0, rules=rules)
     assert layout_map.alternatives("d1.kernel") == rules.alternatives(
         "d1.kernel")
-    again = type(layout_map).from_config(layout_map.get_config())
+    again = type(layout_map).from_config(layout_map.get_config(), mesh=mesh)
     assert again.get_config() == layout_map.get_config()
     assert (again.fsdp_axis, again.min_bytes) == ("model", 0)
     assert again.choose((6,), "x.bias").layout.sharding_specs == ["model"]
@@ -118,6 +117,18 @@ def test_rules_on_another_mesh_and_no_mesh():
         klm.fsdp(fake_mesh([("batch", 4)]), rules=rules)
     with pytest.raises(ValueError, match="needs a mesh"):
         klm.fsdp(None)
+
+
+@pytest.mark.sharding
+def test_docstring_example():
+    import doctest
+    import importlib
+
+    # (the package's `fsdp` attribute is the function, not the module)
+    module = importlib.import_module("keras_layoutmap.fsdp")
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
 
 
 # -- training on the mesh ----------------------------------------------------
