@@ -154,6 +154,15 @@ class FSDPLayoutMap(LayoutMap):
             return choice
         return Choice(self.policy_name, layout)
 
+    def distribution(self, batch_dim_name=None):
+        """The `klm.ModelParallel` that applies this map; batches are split
+        over "batch" when the mesh has it, else over the FSDP axis."""
+        if batch_dim_name is None and "batch" not in self.device_mesh.axis_names:
+            if self._distribution is None:
+                self._distribution = super().distribution(self.fsdp_axis)
+            return self._distribution
+        return super().distribution(batch_dim_name)
+
     def get_config(self):
         config = super().get_config()
         config["fsdp"] = {"axis": self.fsdp_axis, "min_bytes": self.min_bytes}

@@ -83,6 +83,15 @@ def test_rules_argument_and_config_round_trip():
     assert again.choose((6,), "x.bias").layout.sharding_specs == ["model"]
 
 
+def test_batches_split_over_the_fsdp_axis_when_no_batch_axis():
+    mesh = fake_mesh([("model", 2), ("data", 4)])
+    layout_map = klm.fsdp(mesh, axis="data")
+    assert layout_map.distribution().batch_dim_name == "data"
+    assert layout_map.distribution() is layout_map.distribution()
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    assert klm.fsdp(mesh, axis="model").distribution().batch_dim_name == "batch"
+
+
 def test_strict_mode_counts_fsdp_weights_as_placed():
     mesh = fake_mesh([("batch", 4)])
     layout_map = klm.fsdp(mesh, min_bytes=1024, strict=True,
