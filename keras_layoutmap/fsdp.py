@@ -172,6 +172,12 @@ class FSDPLayoutMap(LayoutMap):
     def from_config(cls, config, mesh=None):
         config = dict(config)
         policy = config.pop("fsdp", None) or {}
+        if not isinstance(policy, dict) or not set(policy) <= {
+                "axis", "min_bytes"}:
+            raise ValueError(
+                "The 'fsdp' entry of a LayoutMap config is {'axis': name, "
+                f"'min_bytes': int}}. Received: {policy!r}"
+            )
         rules = LayoutMap.from_config(config, mesh=mesh)
         return fsdp(rules.device_mesh, rules=rules,
                     strict=rules.strict,

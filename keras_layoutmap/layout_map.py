@@ -385,6 +385,10 @@ class LayoutMap(keras_distribution.LayoutMap):
         specs}` table; `specs` is a list of axis names (`[]`: rank 0), or a
         list of such lists (fallbacks).
         """
+        if isinstance(config, dict) and "fsdp" in config and cls is LayoutMap:
+            from keras_layoutmap.fsdp import FSDPLayoutMap  # a `klm.fsdp` map
+
+            return FSDPLayoutMap.from_config(config, mesh=mesh)
         if not isinstance(config, dict) or "rules" not in config:
             raise ValueError(
                 "A LayoutMap config is a dict with a 'rules' list of "

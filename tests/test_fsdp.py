@@ -81,6 +81,13 @@ def test_rules_argument_and_config_round_trip():
     assert again.get_config() == layout_map.get_config()
     assert (again.fsdp_axis, again.min_bytes) == ("model", 0)
     assert again.choose((6,), "x.bias").layout.sharding_specs == ["model"]
+    # Rules files and `klm.LayoutMap.from_json` carry the policy too.
+    loaded = klm.LayoutMap.from_json(layout_map.to_json(), mesh=mesh)
+    assert loaded.get_config() == layout_map.get_config()
+    assert loaded.choose((6,), "x.bias").rule == "fsdp(model)"
+    config = dict(layout_map.get_config(), fsdp={"axes": "model"})
+    with pytest.raises(ValueError, match="'fsdp' entry"):
+        klm.LayoutMap.from_config(config, mesh=mesh)
 
 
 def test_batches_split_over_the_fsdp_axis_when_no_batch_axis():
@@ -239,3 +246,42 @@ def test_gemma_parity(combined):
     embeddings = model.backbone.token_embedding.embeddings
     assert klm.fetch_layout(embeddings).sharding_specs == ["batch", "unsharded"]
     assert klm.unpack(embeddings)[0].shape == (16, 16)
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+def test_min_bytes_zero_shards_every_divisible_weight_batchnorm_included():
+    """BatchNormalization's moving statistics, sharded, are read gathered
+    and assigned back to their shards."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(64, use_bias=False, name="d1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(4, name="out"),
+        ], name="bn_mlp")
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"])
+        return model
+
+    x, y = mlp_data()
+    reference = build()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=0)
+    with layout_map.scope():
+        model = build()
+    report = layout_map.explain(model)
+    assert all(r.rule == "fsdp(batch)" for r in report.rows)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert_parity(model, reference, history, ref_history)
+    assert_placed(model, report)
+    moving_mean = model.get_layer("bn").moving_mean
+    assert klm.fetch_layout(moving_mean).sharding_specs == ["batch"]
+    assert not np.allclose(moving_mean.numpy(), 0)  # it was updated
