@@ -49,6 +49,7 @@ __all__ = [
     "distribute",
     "distribution",
     "fetch_layout",
+    "fsdp",
     "initialize",
     "layout_map_scope",
     "list_devices",
@@ -87,6 +88,7 @@ if not _LIGHT:
         set_distribution,
     )
     from keras_layoutmap.explain import Finding, Report, StrictModeError, WeightRow
+    from keras_layoutmap.fsdp import fsdp
     from keras_layoutmap.layout import UNSHARDED, Layout, NotALayoutError
     from keras_layoutmap.layout_map import LayoutMap, layout_map_scope
     from keras_layoutmap.mesh import (

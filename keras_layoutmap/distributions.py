@@ -61,7 +61,7 @@ def weight_keys(variable):
 
 
 def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
-                   detail=False):
+                   detail=False, dtype=None):
     """`(source, layout)` for weight `name` of layer `owner`.
 
     A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
@@ -71,7 +71,8 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
     `ValueError` if the chosen layout cannot hold a tensor of `shape`, or if
     a kwarg's layout is on another mesh than `mesh`. With `detail=True`,
     returns `(source, layout, choice)`, `choice` being the rule's
-    `layout_map.Choice` (None for a kwarg or the default).
+    `layout_map.Choice` (None for a kwarg or the default). `dtype` goes to
+    the map's default policy (`klm.fsdp` sizes weights by it).
     """
     if owner is not None:
         source, layout = _kwarg_layout(owner, name)
@@ -87,7 +88,7 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
             check_fits(layout, shape, object_path or path, source)
             return (source, layout, None) if detail else (source, layout)
     if layout_map is not None:
-        choice = layout_map.choose(shape, object_path, path)
+        choice = layout_map.choose(shape, object_path, path, dtype=dtype)
         if choice.layout is not None:
             if detail:
                 return choice.rule, choice.layout, choice
@@ -141,6 +142,7 @@ class _Resolving:
             path=path,
             layout_map=self.layout_map,
             mesh=self.device_mesh,
+            dtype=variable.dtype,
         )
 
     def get_variable_layout(self, variable):

@@ -16,7 +16,8 @@ from keras_layoutmap.layout import layout_bytes_per_device
 @dataclasses.dataclass(frozen=True)
 class WeightRow:
     """One weight: its names, shape, the rule (or `<weight>_layout=` kwarg)
-    that placed it (None: no rule, replicated), the layout and its cost.
+    that placed it (None: no rule, replicated; `"fsdp(<axis>)"`: the
+    `klm.fsdp` policy), the layout and its cost.
 
     For a rule with fallbacks, `alternative` is the index (0-based) of the
     layout that placed the weight among the rule's `alternatives`, and
@@ -206,6 +207,7 @@ def explain(model, layout_map):
         rule, layout, choice = resolve_weight(
             owner, variable.name, shape, object_path, variable.path,
             layout_map, layout_map.device_mesh, detail=True,
+            dtype=variable.dtype,
         )
         won.add(rule)
         rows.append(

@@ -266,9 +266,11 @@ class LayoutMap(keras_distribution.LayoutMap):
         choice = self.choose(shape, *keys)
         return choice.rule, choice.layout
 
-    def choose(self, shape, *keys):
+    def choose(self, shape, *keys, dtype=None):
         """Like `resolve`, as a `Choice`: also which alternative of the rule
-        placed the weight and why the earlier ones were refused."""
+        placed the weight and why the earlier ones were refused. `dtype`
+        (the weight's, when known) is for maps with a size-based default
+        policy (`klm.fsdp`); rules ignore it."""
         rule, _ = self.match(*keys)
         if rule is None:
             if self._device_mesh is None:
@@ -383,6 +385,10 @@ class LayoutMap(keras_distribution.LayoutMap):
         specs}` table; `specs` is a list of axis names (`[]`: rank 0), or a
         list of such lists (fallbacks).
         """
+        if isinstance(config, dict) and "fsdp" in config and cls is LayoutMap:
+            from keras_layoutmap.fsdp import FSDPLayoutMap  # a `klm.fsdp` map
+
+            return FSDPLayoutMap.from_config(config, mesh=mesh)
         if not isinstance(config, dict) or "rules" not in config:
             raise ValueError(
                 "A LayoutMap config is a dict with a 'rules' list of "

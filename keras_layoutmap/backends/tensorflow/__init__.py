@@ -29,6 +29,7 @@ from keras.src.models import model as keras_model
 
 from keras_layoutmap.backends.tensorflow import (
     export,
+    gather,
     placement,
     random_draws,
     training,
@@ -97,5 +98,10 @@ def install():
     # Models: inputs checked when called eagerly, exported without DTensor.
     keras_model.Model.export = export.wrap_export(keras_model.Model.export)
     keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
+
+    # FSDP: weights sharded over the data axis gathered while a model computes.
+    Variable.value = gather.wrap_value(Variable.value)
+    Variable.handle = property(gather.handle)
+    keras_model.Model.__call__ = gather.wrap_model_call(keras_model.Model.__call__)
 
 

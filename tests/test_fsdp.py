@@ -1,0 +1,287 @@
+"""`klm.fsdp`: weights sharded over the data axis (ZeRO-3 style), alone and
+with model-parallel rules on a second axis; numbers equal one device."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_layoutmap as klm
+from tests.conftest import fake_mesh
+
+
+def mlp():
+    """16 -> 64 -> 32 -> 4: d2's kernel is sharded on its input (the
+    contracting) dimension, the case DTensor refuses without a gather."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(64, activation="relu", name="d1"),
+        keras.layers.Dense(32, activation="relu", name="d2"),
+        keras.layers.Dense(4, name="out"),
+    ], name="mlp")
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def mlp_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(38, 16)).astype("float32")  # batch 8: a short 6
+    return x, rng.integers(0, 4, size=38)
+
+
+# -- the policy (no devices needed) -------------------------------------------
+
+
+def test_policy_shards_largest_divisible_dimension():
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=1024)
+    assert layout_map.fsdp_layout((16, 64)).sharding_specs == [
+        "unsharded", "batch"]
+    assert layout_map.fsdp_layout((64, 32)).sharding_specs == [
+        "batch", "unsharded"]
+    # 66 is the largest dimension but 4 does not divide it.
+    assert layout_map.fsdp_layout((66, 16)).sharding_specs == [
+        "unsharded", "batch"]
+    assert layout_map.fsdp_layout((66, 15)) is None  # nothing divisible
+    assert layout_map.fsdp_layout((255,)) is None  # 1020 bytes < 1024
+    assert layout_map.fsdp_layout((128, 2), dtype="float16") is None  # 512 B
+    assert layout_map.fsdp_layout((256,)).sharding_specs == ["batch"]
+
+
+def test_explain_names_the_policy_and_rules_win():
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=1024)
+    layout_map["d1.kernel"] = (None, "model")
+    report = layout_map.explain(mlp())
+    rows = {r.object_path: r for r in report.rows}
+    assert rows["d1.kernel"].rule == "d1.kernel"
+    assert rows["d1.kernel"].layout.sharding_specs == ["unsharded", "model"]
+    assert rows["d2.kernel"].rule == "fsdp(batch)"
+    assert rows["d2.kernel"].layout.sharding_specs == ["batch", "unsharded"]
+    assert rows["d2.kernel"].bytes_per_device == 64 * 32 * 4 // 4
+    for small in ("d1.bias", "d2.bias", "out.kernel", "out.bias"):
+        assert rows[small].rule is None
+        assert rows[small].layout.is_fully_replicated()
+    assert "fsdp(batch)" in report.render(width=200)
+    assert report.unused_rules == [] and report.shadowed_rules == []
+
+
+def test_rules_argument_and_config_round_trip():
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    rules = klm.LayoutMap(mesh)
+    rules["d1.kernel"] = [(None, "model"), (None, None)]
+    layout_map = klm.fsdp(mesh, axis="model", min_bytes=0, rules=rules)
+    assert layout_map.alternatives("d1.kernel") == rules.alternatives(
+        "d1.kernel")
+    again = type(layout_map).from_config(layout_map.get_config(), mesh=mesh)
+    assert again.get_config() == layout_map.get_config()
+    assert (again.fsdp_axis, again.min_bytes) == ("model", 0)
+    assert again.choose((6,), "x.bias").layout.sharding_specs == ["model"]
+    # Rules files and `klm.LayoutMap.from_json` carry the policy too.
+    loaded = klm.LayoutMap.from_json(layout_map.to_json(), mesh=mesh)
+    assert loaded.get_config() == layout_map.get_config()
+    assert loaded.choose((6,), "x.bias").rule == "fsdp(model)"
+    config = dict(layout_map.get_config(), fsdp={"axes": "model"})
+    with pytest.raises(ValueError, match="'fsdp' entry"):
+        klm.LayoutMap.from_config(config, mesh=mesh)
+
+
+def test_batches_split_over_the_fsdp_axis_when_no_batch_axis():
+    mesh = fake_mesh([("model", 2), ("data", 4)])
+    layout_map = klm.fsdp(mesh, axis="data")
+    assert layout_map.distribution().batch_dim_name == "data"
+    assert layout_map.distribution() is layout_map.distribution()
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    assert klm.fsdp(mesh, axis="model").distribution().batch_dim_name == "batch"
+
+
+def test_strict_mode_counts_fsdp_weights_as_placed():
+    mesh = fake_mesh([("batch", 4)])
+    layout_map = klm.fsdp(mesh, min_bytes=1024, strict=True,
+                          max_replicated_bytes=1024)
+    assert layout_map.explain(mlp()).findings == []
+    plain = klm.LayoutMap(mesh, strict=True, max_replicated_bytes=1024)
+    found = plain.explain(mlp()).findings
+    assert {f.subject for f in found} == {"mlp/d1/kernel", "mlp/d2/kernel"}
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(axis="data"), ValueError, ["axis", "'data'", "['batch', 'model']"]),
+    (dict(axis=3), ValueError, ["axis", "3", "['batch', 'model']"]),
+    (dict(min_bytes=-1), ValueError, ["min_bytes", "-1", ">= 0"]),
+    (dict(min_bytes=1e6), TypeError, ["min_bytes", "1000000.0", "float",
+                                      "int"]),
+    (dict(min_bytes="1MB"), TypeError, ["min_bytes", "'1MB'", "int"]),
+    (dict(min_bytes=True), TypeError, ["min_bytes", "True", "int"]),
+    (dict(rules={"a": 1}), TypeError, ["rules", "LayoutMap", "dict"]),
+])
+def test_bad_input(kwargs, error, words):
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    with pytest.raises(error) as info:
+        klm.fsdp(mesh, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_rules_on_another_mesh_and_no_mesh():
+    rules = klm.LayoutMap(fake_mesh([("batch", 2)]))
+    with pytest.raises(ValueError, match="share one mesh"):
+        klm.fsdp(fake_mesh([("batch", 4)]), rules=rules)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        klm.fsdp(None)
+
+
+@pytest.mark.sharding
+def test_docstring_example():
+    import doctest
+    import importlib
+
+    # (the package's `fsdp` attribute is the function, not the module)
+    module = importlib.import_module("keras_layoutmap.fsdp")
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+# -- training on the mesh ----------------------------------------------------
+
+
+def assert_parity(model, reference, history, ref_history):
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4,
+                                   err_msg=key)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def assert_placed(model, report):
+    """The real sharding of every weight and its optimizer slots is the
+    one explain reports."""
+    from keras_layoutmap.placement import reference_of
+
+    rows = {r.path: r for r in report.rows}
+    for variable in model.weights:
+        assert klm.fetch_layout(variable) == rows[variable.path].layout, (
+            variable.path)
+    slots = 0
+    for variable in model.optimizer.variables:
+        weight = reference_of(variable)  # the weight a slot was made for
+        if weight is not None:
+            slots += 1
+            assert klm.fetch_layout(variable) == klm.fetch_layout(weight), (
+                variable.path)
+    assert slots == 2 * len(model.trainable_weights)  # Adam: 2 a weight
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+@pytest.mark.parametrize("combined", [False, True], ids=["fsdp", "fsdp+tp"])
+def test_mlp_parity(combined):
+    x, y = mlp_data()
+    reference = mlp()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=1024)
+    if combined:
+        layout_map["d1.kernel"] = (None, "model")
+    with layout_map.scope():
+        model = mlp()
+    report = layout_map.explain(model)
+    fsdp_rows = [r for r in report.rows if r.rule == "fsdp(batch)"]
+    assert [r.object_path for r in fsdp_rows] == (
+        ["d2.kernel"] if combined else ["d1.kernel", "d2.kernel"])
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert_parity(model, reference, history, ref_history)
+    assert_placed(model, report)  # after training: storage still sharded
+    kernel = model.get_layer("d2").kernel
+    assert klm.fetch_layout(kernel).sharding_specs == ["batch", "unsharded"]
+    assert klm.unpack(kernel)[0].shape == (16, 32)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
+                               reference.evaluate(x, y, verbose=0), rtol=1e-4)
+
+
+def gemma_lm():
+    from tests.test_keras_hub import build_lm
+
+    return build_lm()
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+@pytest.mark.parametrize("combined", [False, True], ids=["fsdp", "fsdp+tp"])
+def test_gemma_parity(combined):
+    from tests.test_keras_hub import data
+
+    x, y = data()
+    reference = gemma_lm()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history  # 36 rows: a short batch
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    rules = klm.LayoutMap(mesh)
+    if combined:  # the MLP model-parallel, the rest FSDP
+        rules["decoder_block.*ffw_gating.*kernel"] = (None, "model")
+        rules["decoder_block.*ffw_linear.kernel"] = ("model", None)
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=512, rules=rules)
+    with layout_map.scope():
+        model = gemma_lm()
+    report = layout_map.explain(model)
+    by_rule = {}
+    for r in report.rows:
+        by_rule.setdefault(r.rule, []).append(r)
+    assert len(by_rule["fsdp(batch)"]) == (9 if combined else 15)
+    assert all(r.layout.sharding_specs.count("batch") == 1
+               for r in by_rule["fsdp(batch)"])
+    assert all(r.layout.is_fully_replicated() for r in by_rule[None])
+    assert len(by_rule[None]) == 5  # the norms' scales
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert_parity(model, reference, history, ref_history)
+    assert_placed(model, report)
+    embeddings = model.backbone.token_embedding.embeddings
+    assert klm.fetch_layout(embeddings).sharding_specs == ["batch", "unsharded"]
+    assert klm.unpack(embeddings)[0].shape == (16, 16)
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+def test_min_bytes_zero_shards_every_divisible_weight_batchnorm_included():
+    """BatchNormalization's moving statistics, sharded, are read gathered
+    and assigned back to their shards."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(64, use_bias=False, name="d1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(4, name="out"),
+        ], name="bn_mlp")
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"])
+        return model
+
+    x, y = mlp_data()
+    reference = build()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history
+    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.fsdp(mesh, axis="batch", min_bytes=0)
+    with layout_map.scope():
+        model = build()
+    report = layout_map.explain(model)
+    assert all(r.rule == "fsdp(batch)" for r in report.rows)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert_parity(model, reference, history, ref_history)
+    assert_placed(model, report)
+    moving_mean = model.get_layer("bn").moving_mean
+    assert klm.fetch_layout(moving_mean).sharding_specs == ["batch"]
+    assert not np.allclose(moving_mean.numpy(), 0)  # it was updated
