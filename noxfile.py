@@ -95,10 +95,12 @@ def bench(session):
     """The figures of benchmarks/: JAX, TensorFlow (DTensor against
     MirroredStrategy) and the two side by side."""
     session.install("-e", ".[jax,tensorflow,test]")
+    session.install(*KERAS_HUB)
+    session.install(*KERAS_HUB_DEPS)
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",
-                   "processes.py", "build_memory.py"):
+                   "processes.py", "build_memory.py", "fsdp.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
-    for script in ("memory.py", "tf_data_parallel.py", "processes.py"):
+    for script in ("memory.py", "tf_data_parallel.py", "processes.py", "fsdp.py"):
         session.run("python", f"benchmarks/{script}",
                     env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
     session.run("python", "benchmarks/backends.py")

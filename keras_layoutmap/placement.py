@@ -96,7 +96,7 @@ def _resolver(model, dist):
             shape=tuple(int(d) for d in variable.shape),
             object_path=object_path, path=variable.path,
             layout_map=getattr(dist, "layout_map", None),
-            mesh=dist.device_mesh,
+            mesh=dist.device_mesh, dtype=variable.dtype,
         )
         return layout
 
