@@ -24,15 +24,13 @@ def fsdp(mesh=None, axis="batch", min_bytes=DEFAULT_MIN_BYTES, rules=None,
          strict=False, max_replicated_bytes=1 << 20):
     """A `LayoutMap` that shards every large weight over the data axis.
 
-    Args:
-        mesh: the `klm.Mesh` (None: the mesh of `rules`).
-        axis: the mesh axis to shard weights over, normally the one batches
-            are split over.
-        min_bytes: weights of fewer bytes are replicated (int, >= 0).
-        rules: optional `klm.LayoutMap` (or `keras.distribution.LayoutMap`)
-            whose rules are copied first; rules always win over FSDP, and
-            more can be added to the returned map.
-        strict, max_replicated_bytes: as for `klm.LayoutMap`.
+    `mesh` is the `klm.Mesh` (None: the mesh of `rules`); `axis` the mesh
+    axis to shard weights over, normally the one batches are split over;
+    weights of fewer than `min_bytes` bytes (an int >= 0) are replicated.
+    `rules`, an optional `klm.LayoutMap` (or `keras.distribution.LayoutMap`),
+    is copied first: rules always win over FSDP, and more can be added to
+    the returned map. `strict` and `max_replicated_bytes` are as for
+    `klm.LayoutMap`.
 
     `explain()` reports the weights the policy placed with the rule
     `"fsdp(<axis>)"`.

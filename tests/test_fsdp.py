@@ -4,9 +4,9 @@ with model-parallel rules on a second axis; numbers equal one device."""
 import keras
 import numpy as np
 import pytest
+from conftest import fake_mesh
 
 import keras_layoutmap as klm
-from tests.conftest import fake_mesh
 
 
 def mlp():
