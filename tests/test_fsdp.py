@@ -207,7 +207,7 @@ def test_mlp_parity(combined):
 
 
 def gemma_lm():
-    from tests.test_keras_hub import build_lm
+    from test_keras_hub import build_lm
 
     return build_lm()
 
@@ -216,7 +216,7 @@ def gemma_lm():
 @pytest.mark.training
 @pytest.mark.parametrize("combined", [False, True], ids=["fsdp", "fsdp+tp"])
 def test_gemma_parity(combined):
-    from tests.test_keras_hub import data
+    from test_keras_hub import data
 
     x, y = data()
     reference = gemma_lm()
