@@ -41,13 +41,10 @@ def _kwarg_layout(layer, name):
     """The `<name>_layout=` given to `layer` or the nearest ancestor."""
     from keras_layoutmap.layer_kwargs import weight_layouts
 
-    node, seen = layer, set()
-    while node is not None and id(node) not in seen:
-        seen.add(id(node))
+    for node in paths.lineage(layer):
         layouts = weight_layouts(node)
         if name in layouts:
             return f"{node.name}.{name}_layout", layouts[name]
-        node, _ = paths._parent_of(node)
     return None, None
 
 

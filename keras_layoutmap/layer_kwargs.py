@@ -46,13 +46,10 @@ def inherited_distribution(layer):
     """The distribution `layer` or its nearest ancestor was made under: a
     sublayer made in its parent's `build()`, outside any scope, belongs to
     the parent's distribution."""
-    node, seen = layer, set()
-    while node is not None and id(node) not in seen:
-        seen.add(id(node))
+    for node in paths.lineage(layer):
         found = remembered_distribution(node)
         if found is not None:
             return found
-        node, _ = paths._parent_of(node)
     return None
 
 

@@ -156,6 +156,16 @@ def _parent_of(layer):
     return parent, key
 
 
+def lineage(layer):
+    """`layer`, then its parent, its parent's parent, ... up to the root
+    (each once, even if the links loop)."""
+    node, seen = layer, set()
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        yield node
+        node, _ = _parent_of(node)
+
+
 def object_path(layer, weight_name):
     """The object path that weight `weight_name` of `layer` will have.
 
