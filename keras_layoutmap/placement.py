@@ -158,6 +158,9 @@ def place_model(model, dist):
             optimizer._var_key(v): i
             for i, v in enumerate(optimizer._trainable_variables)
         }
+    after_place = getattr(backend, "after_place", None)
+    if after_place is not None:  # e.g. torch's list of a module's parameters
+        after_place(model)
     # The traced steps captured the old variables' placement.
     for name in ("train_function", "test_function", "predict_function"):
         if hasattr(model, name):

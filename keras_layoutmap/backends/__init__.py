@@ -10,6 +10,7 @@ a backend itself:
 - `distribute(x, layout)`, `pack(components, layout)`, `unpack(x)`
 - `relayout_variable(variable, layout)`: move an existing variable onto a layout
 - `unplace_variable(variable)`: bring a variable on a mesh back to one device
+- `after_place(model)` (optional): called once a model's variables moved
 - `install()`: backend-specific hooks into Keras (e.g. the data iterator)
 - `SHARDING`: whether this backend can place tensors on a multi-device mesh
 - `TRAINING`: whether `model.fit` / `evaluate` / `predict` run on one

@@ -1,0 +1,73 @@
+"""The PyTorch backend: `torch.distributed` places tensors and variables.
+
+A mesh spans processes, one CPU device each (gloo): `processes` joins them,
+`placement` turns meshes and layouts into `DeviceMesh` and DTensor
+placements, `variables` makes Keras variables DTensor parameters, and
+`training` feeds DTensor batches to Keras' own steps. This module is the
+backend interface (see `keras_layoutmap/backends/__init__.py`) and
+`install()`.
+"""
+
+import logging
+
+import keras.src.backend as keras_backend
+from keras.src.backend import torch as keras_torch
+from keras.src.backend.torch import core as keras_torch_core
+from keras.src.backend.torch import trainer as keras_torch_trainer
+from keras.src.backend.torch.optimizers import torch_optimizer
+
+from keras_layoutmap.backends.torch import placement, training, variables
+from keras_layoutmap.backends.torch.placement import (  # noqa: F401
+    distribute,
+    fetch_layout,
+    pack,
+    unpack,
+)
+from keras_layoutmap.backends.torch.processes import (  # noqa: F401
+    MULTI_PROCESS,
+    barrier,
+    configure_virtual_devices,
+    join,
+    list_devices,
+    local_devices,
+    num_local_devices,
+    process_count,
+    process_index,
+)
+from keras_layoutmap.backends.torch.variables import (  # noqa: F401
+    relayout_variable,
+    unplace_variable,
+)
+
+SHARDING = True
+TRAINING = True
+NOT_BUILT = None
+
+
+def after_place(model):
+    """A model's variables moved: torch's list of its parameters follows."""
+    training.retrack_parameters(model)
+
+
+def install():
+    # DTensor warns on every (Partial, Partial) -> Replicate gradient of a
+    # 2-D mesh that it takes two all-reduces; each process takes them in the
+    # same order, and the warning repeats every step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(
+        logging.ERROR)
+    Variable = keras_torch_core.Variable
+    Variable._initialize = variables.wrap_initialize(Variable._initialize)
+    Variable._direct_assign = variables.wrap_direct_assign(Variable._direct_assign)
+    convert_to_numpy = placement.wrap_convert_to_numpy(
+        keras_torch_core.convert_to_numpy)
+    for module in (keras_backend, keras_torch, keras_torch_core):
+        module.convert_to_numpy = convert_to_numpy
+
+    Trainer = keras_torch_trainer.TorchTrainer
+    for name, attribute in (("make_train_function", "train_function"),
+                            ("make_test_function", "test_function"),
+                            ("make_predict_function", "predict_function")):
+        setattr(Trainer, name, training.wrap_make_function(
+            getattr(Trainer, name), attribute))
+    Optimizer = torch_optimizer.TorchOptimizer
+    Optimizer.apply = training.wrap_apply(Optimizer.apply)

@@ -1,0 +1,145 @@
+"""torch across processes: a gloo process group, one device per process.
+
+A torch mesh spans processes, one CPU device each (`"cpu:<rank>"`):
+`python -m keras_layoutmap.launch -n 4 script.py` (or `torchrun
+--nproc-per-node 4 script.py`) starts them, and `klm.configure_virtual_devices(4)`
+(or `klm.initialize()`) joins them into the default process group. Outside a
+launched world there is one process and one device.
+
+Collectives time out after `KLM_COLLECTIVE_TIMEOUT` seconds (default 60): a
+process whose peer died raises instead of waiting forever. The launcher ends
+the others as soon as one fails, so a timeout is the last resort.
+"""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+MULTI_PROCESS = True
+DEFAULT_TIMEOUT_SECONDS = 60
+
+
+def _timeout():
+    seconds = float(os.environ.get("KLM_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
+    return datetime.timedelta(seconds=seconds)
+
+
+def launched_world_size():
+    """`WORLD_SIZE` as the launcher (or torchrun) set it; 1 outside one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_joined():
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size():
+    return dist.get_world_size() if is_joined() else launched_world_size()
+
+
+def rank():
+    if is_joined():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _how_to_launch(n):
+    return (f"Start the script with `python -m keras_layoutmap.launch -n {n} "
+            f"script.py` (or `torchrun --nproc-per-node {n} script.py`).")
+
+
+def join(cluster, total_devices=None):
+    """Join `cluster`'s gloo process group (once). On torch every process
+    holds one device, so `total_devices` must equal the number of
+    processes."""
+    if total_devices is not None and total_devices != cluster.num_processes:
+        raise RuntimeError(
+            f"On the torch backend a mesh of {total_devices} devices spans "
+            f"{total_devices} processes (one device each), but this run has "
+            f"{cluster.num_processes}. {_how_to_launch(total_devices)}"
+        )
+    if is_joined():
+        if dist.get_world_size() != cluster.num_processes:
+            raise RuntimeError(
+                f"torch.distributed already runs a world of "
+                f"{dist.get_world_size()} processes; this run asks for "
+                f"{cluster.num_processes}."
+            )
+        return
+    host, _, port = cluster.coordinator_address.rpartition(":")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{host or '127.0.0.1'}:{port}",
+        world_size=cluster.num_processes,
+        rank=cluster.process_id,
+        timeout=_timeout(),
+    )
+
+
+def configure_virtual_devices(n):
+    """`n` devices in all: one per process of a launched world of `n`."""
+    world = launched_world_size()
+    if world != n:
+        if world == 1 and n == 1:
+            return
+        raise RuntimeError(
+            f"On the torch backend a mesh of {n} devices spans {n} processes "
+            f"(one CPU device each), but this process runs in a world of "
+            f"{world}. {_how_to_launch(n)}"
+        )
+    if n == 1:
+        return
+    from keras_layoutmap.processes import cluster_from_environment
+
+    join(cluster_from_environment(), total_devices=n)
+
+
+def process_count():
+    return world_size() if is_joined() else 1
+
+
+def process_index():
+    return rank() if is_joined() else 0
+
+
+def barrier(name):
+    """Wait until every process gets here."""
+    if is_joined() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def list_devices():
+    return [f"cpu:{i}" for i in range(world_size())]
+
+
+def local_devices():
+    """This process's device: one per process in a launched world."""
+    if world_size() > 1:
+        return [f"cpu:{rank()}"]
+    return list_devices()
+
+
+def num_local_devices(mesh):
+    mine = set(local_devices())
+    return sum(str(d) in mine for d in mesh.devices.ravel())
+
+
+def all_gather_rows(local):
+    """Every process's `local` tensor (rows may differ in number: a short
+    last batch), concatenated along dimension 0 in rank order, on every
+    process."""
+    local = torch.as_tensor(local)
+    if not is_joined() or dist.get_world_size() == 1:
+        return local
+    count = torch.tensor([local.shape[0]], dtype=torch.int64)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    counts = [int(c) for c in counts]
+    longest = max(counts)
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded.contiguous())
+    return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0)

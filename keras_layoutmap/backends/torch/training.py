@@ -1,0 +1,125 @@
+"""`fit` / `evaluate` / `predict` (and the `*_on_batch` methods) on a mesh.
+
+Each batch becomes DTensors by the distribution's data layout for that
+batch's shape (so a short last batch is split unevenly, exactly), Keras'
+own step runs on them (DTensor inserts the collectives: gradients of
+replicated weights are summed over the batch axis), gradients are laid out
+like their weights before the optimizer applies them, and what a step
+returns (metrics, predictions) comes back whole to every process.
+
+Across processes, `auto_shard_dataset=True` means every process passes the
+same global data (each keeps its own rows); with `False` each passes its
+own slice and the slices are gathered into the global batch first.
+"""
+
+import functools
+
+from keras import distribution as keras_distribution
+from keras.src import tree
+from torch.distributed.tensor import DTensor
+
+from keras_layoutmap.backends.torch import processes
+from keras_layoutmap.backends.torch.placement import to_host, to_layout
+
+
+def _mesh_distribution():
+    dist = keras_distribution.distribution()
+    if dist is None or dist.device_mesh is None or dist.device_mesh.size <= 1:
+        return None
+    return dist
+
+
+def distribute_batch(data, dist):
+    """Every tensor of a batch as a DTensor with the distribution's data
+    layout for its shape."""
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    gather = (processes.process_count() > 1
+              and not getattr(dist, "auto_shard_dataset", True))
+
+    def place(x):
+        if x is None or isinstance(x, DTensor):
+            return x
+        x = convert_to_tensor(x)
+        if gather:
+            x = processes.all_gather_rows(x)
+        layout = dist.get_data_layout(tuple(x.shape))
+        from keras_layoutmap.layout import as_layout
+
+        return to_layout(x, as_layout(layout))
+
+    return tree.map_structure(place, data)
+
+
+def _host_outputs(outputs):
+    return tree.map_structure(
+        lambda x: to_host(x) if isinstance(x, DTensor) else x, outputs)
+
+
+def wrap_make_function(original, attribute):
+    """`make_train_function` & co.: the step they make takes DTensor
+    batches on a mesh and returns host values."""
+
+    @functools.wraps(original)
+    def make_function(self, force=False):
+        if getattr(self, attribute) is not None and not force:
+            return getattr(self, attribute)
+        original(self, force=force)
+        step = getattr(self, attribute)
+        if getattr(step, "_klm_wrapped", False):
+            return step
+
+        def function(data):
+            dist = _mesh_distribution()
+            if dist is None:
+                return step(data)
+            data = [distribute_batch(batch, dist) for batch in data]
+            return _host_outputs(step(data))
+
+        function._klm_wrapped = True
+        setattr(self, attribute, function)
+        return function
+
+    return make_function
+
+
+def gradients_like_weights(grads_and_vars):
+    """Gradients of DTensor weights laid out like their weight (DTensor
+    leaves the gradient of a replicated weight as partial sums)."""
+    result = []
+    for grad, variable in grads_and_vars:
+        value = getattr(variable, "_value", None)
+        if isinstance(grad, DTensor) and isinstance(value, DTensor):
+            if tuple(grad.placements) != tuple(value.placements):
+                grad = grad.redistribute(value.device_mesh, value.placements)
+        elif isinstance(value, DTensor) and grad is not None:
+            from keras_layoutmap.layout import as_layout
+
+            layout = getattr(variable, "_layout", None)
+            if layout is not None:
+                grad = to_layout(grad, as_layout(layout))
+        result.append((grad, variable))
+    return result
+
+
+def wrap_apply(original):
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        variables = (trainable_variables if trainable_variables is not None
+                     else getattr(self, "_trainable_variables", None))
+        if variables is not None:
+            grads = list(grads)
+            pairs = gradients_like_weights(list(zip(grads, variables)))
+            grads = [g for g, _ in pairs]
+        return original(self, grads, trainable_variables)
+
+    return apply
+
+
+def retrack_parameters(model):
+    """Keras torch layers list their variables' parameters for torch
+    (`zero_grad`, `parameters()`); a moved variable holds a new parameter."""
+    for layer in model._flatten_layers(include_self=True):
+        if hasattr(layer, "_torch_params"):
+            layer._track_variables()
+

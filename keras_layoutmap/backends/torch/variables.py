@@ -1,0 +1,118 @@
+"""Keras variables as DTensor parameters: made with their layout, moved,
+assigned, read back to the host.
+
+A Keras torch variable holds a `torch.nn.Parameter`; on a mesh that
+parameter wraps a DTensor, so torch's own machinery (autograd, `zero_grad`,
+`state_dict`, DCP) sees a sharded parameter.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_layoutmap.backends.torch.placement import (
+    _placed,
+    fetch_layout,
+    to_host,
+    to_layout,
+)
+
+
+def _parameter(variable, value):
+    value = value.detach()
+    trainable = variable.trainable and (value.is_floating_point()
+                                        or value.is_complex())
+    return torch.nn.Parameter(value, requires_grad=trainable)
+
+
+def relayout_variable(variable, layout):
+    from keras_layoutmap.layout import as_layout
+
+    layout = as_layout(layout)
+    variable._layout = layout
+    if not _placed(layout):
+        return unplace_variable(variable, keep_layout=True)
+    variable._value = _parameter(variable, to_layout(variable._value, layout))
+
+
+def unplace_variable(variable, keep_layout=False):
+    """Bring a variable back to one device: a plain parameter holding the
+    whole value, as if made with no distribution."""
+    value = to_host(variable._value.detach())
+    variable._value = _parameter(variable, value.clone())
+    if not keep_layout:
+        variable._layout = None
+
+
+def _layout_for(variable):
+    from keras import distribution as keras_distribution
+
+    from keras_layoutmap.layout import as_layout
+
+    if getattr(variable, "_layout", None) is None:
+        dist = keras_distribution.distribution()
+        if dist is not None:
+            variable._layout = dist.get_variable_layout(variable)
+    layout = getattr(variable, "_layout", None)
+    return as_layout(layout) if layout is not None else None
+
+
+def wrap_initialize(original):
+    """Variables made under a distribution (or with a layout) become DTensor
+    parameters with their layout; a value that is already a DTensor keeps
+    its layout when no distribution says otherwise."""
+
+    def _initialize(self, value):
+        from keras import distribution as keras_distribution
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        if isinstance(value, torch.nn.Parameter):
+            return original(self, value)
+        if (getattr(self, "_layout", None) is None
+                and keras_distribution.distribution() is None
+                and isinstance(value, DTensor)):
+            from keras_layoutmap.layout import Layout
+
+            axes, mesh = fetch_layout(value)
+            self._layout = Layout(axes, mesh)
+        if self._shape is None and not callable(value):
+            self._shape = self._validate_shape(tuple(value.shape))
+        layout = _layout_for(self)
+        if not _placed(layout):
+            if isinstance(value, DTensor):
+                value = to_host(value)
+            return original(self, value)
+        if callable(value):
+            value = value()
+        value = convert_to_tensor(value, dtype=self._dtype)
+        self._value = _parameter(self, to_layout(value, layout))
+
+    return _initialize
+
+
+def wrap_direct_assign(original):
+    def _direct_assign(self, value):
+        current = self._value
+        if not isinstance(current, DTensor):
+            if isinstance(value, DTensor):
+                value = to_host(value)
+            return original(self, value)
+        from keras.src.backend.torch.core import convert_to_tensor
+
+        from keras_layoutmap.layout import as_layout
+
+        if not isinstance(value, DTensor):
+            value = convert_to_tensor(value)
+        value = to_layout(value, as_layout(self._layout)
+                          if getattr(self, "_layout", None) is not None
+                          else _layout_of(current))
+        with torch.no_grad():
+            current.to_local().copy_(value.to_local())
+
+    return _direct_assign
+
+
+def _layout_of(value):
+    from keras_layoutmap.layout import Layout
+
+    axes, mesh = fetch_layout(value)
+    return Layout(axes, mesh)
