@@ -1,5 +1,5 @@
 """Start a script once per device: `python -m keras_layoutmap.launch -n N
-script.py [args...]`.
+script.py [args...]` (or `-m module [args...]`, as `python -m` does).
 
 Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` (loopback)
 and `MASTER_PORT`, the environment torch's gloo process groups read (and
@@ -7,7 +7,9 @@ keras-layoutmap reads to join JAX's or DTensor's runtime), and
 `KERAS_DISTRIBUTION_JOB_ADDRESSES`, a free loopback port per process. The launcher never
 hangs: as soon as one process fails, it stops the others (SIGTERM, then
 SIGKILL after a grace period) and exits with the failing process's status;
-Ctrl-C stops them all.
+Ctrl-C stops them all. With `--log-dir DIR`, processes 1 to N-1 write their
+output to `DIR/rank<r>.log` (process 0 keeps the terminal), and the end of a
+failing process's log is printed when it fails.
 
 It imports no Keras and no backend (see `keras_layoutmap/__init__.py`), so
 `--help` is instant and it runs wherever Python does; each process imports
@@ -56,7 +58,17 @@ def main(argv=None):
         help="CPU devices each process makes (KLM_DEVICES_PER_PROCESS=K): "
         "klm.initialize() then makes K virtual devices per process, and "
         "klm.configure_virtual_devices(n) checks that n = N x K")
-    parser.add_argument("script", help="the Python script each process runs")
+    parser.add_argument(
+        "--log-dir", metavar="DIR",
+        help="write the output of processes 1..N-1 to DIR/rank<r>.log (process "
+        "0 keeps the terminal); a failing process's last lines are printed")
+    parser.add_argument(
+        "-m", dest="module", action="store_true",
+        help="run the target as a module, as `python -m TARGET` does (e.g. "
+        "`-m pytest tests`)")
+    parser.add_argument("script", metavar="target",
+                        help="the Python script (or, with -m, module) each "
+                        "process runs")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="...",
         help="arguments passed on to the script unchanged")
@@ -73,31 +85,55 @@ def main(argv=None):
         f"127.0.0.1:{p}" for p in ports)}
     if opts.devices_per_process is not None:
         extra["KLM_DEVICES_PER_PROCESS"] = str(opts.devices_per_process)
+    target = ["-m", opts.script] if opts.module else [opts.script]
+    logs = {}
+    if opts.log_dir:
+        os.makedirs(opts.log_dir, exist_ok=True)
     procs = []
     for rank in range(opts.nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(opts.nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, **extra)
+        output = None
+        if opts.log_dir and rank > 0:
+            logs[rank] = os.path.join(opts.log_dir, f"rank{rank}.log")
+            output = open(logs[rank], "w")
         procs.append(subprocess.Popen(
-            [sys.executable, opts.script, *opts.args], env=env))
+            [sys.executable, *target, *opts.args], env=env, stdout=output,
+            stderr=subprocess.STDOUT if output else None))
+        if output:
+            output.close()
     try:
-        return _wait(procs)
+        code, failed = _wait(procs)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
+    if failed is not None and failed in logs:
+        _print_tail(logs[failed], failed)
+    return code
+
+
+def _print_tail(path, rank, lines=60):
+    with open(path, errors="replace") as f:
+        tail = f.readlines()[-lines:]
+    print(f"--- the last {len(tail)} lines of process {rank} ({path}) ---",
+          file=sys.stderr)
+    sys.stderr.writelines(tail)
 
 
 def _wait(procs, poll=0.1):
-    """Wait for every process; on the first failure stop the others and
-    return its status (0 when all succeed)."""
+    """Wait for every process; on the first failure stop the others.
+    Returns `(status, rank)`: the failing process's status (as a shell
+    reports it) and rank, or `(0, None)` when all succeed."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             _stop(procs)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
+            rank, code = failed[0]
+            return (code if code > 0 else 128 - code), rank
         if all(c == 0 for c in codes):
-            return 0
+            return 0, None
         time.sleep(poll)
 
 

@@ -15,6 +15,7 @@ from keras.src.backend import torch as keras_torch
 from keras.src.backend.torch import core as keras_torch_core
 from keras.src.backend.torch import trainer as keras_torch_trainer
 from keras.src.backend.torch.optimizers import torch_optimizer
+from keras.src.models import model as keras_model
 
 from keras_layoutmap.backends.torch import placement, training, variables
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
@@ -69,5 +70,6 @@ def install():
                             ("make_predict_function", "predict_function")):
         setattr(Trainer, name, training.wrap_make_function(
             getattr(Trainer, name), attribute))
+    keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
     Optimizer = torch_optimizer.TorchOptimizer
     Optimizer.apply = training.wrap_apply(Optimizer.apply)

@@ -91,6 +91,13 @@ def placements(layout):
     return tuple(result)
 
 
+def describe_mesh(device_mesh):
+    """`{'batch': 2, 'model': 2}` for a DeviceMesh."""
+    names = device_mesh.mesh_dim_names or [
+        f"axis{i}" for i in range(device_mesh.ndim)]
+    return dict(zip(names, device_mesh.mesh.shape))
+
+
 def _placed(layout):
     """Whether `layout` needs a DTensor (a mesh of more than one device)."""
     return layout is not None and layout.mesh.size > 1
@@ -205,6 +212,7 @@ def pack(components, layout):
     (component,) = components
     local = torch.as_tensor(np.asarray(component)
                             if not torch.is_tensor(component) else component)
+    _check_same_shape_everywhere(tuple(local.shape))
     shape = list(local.shape)
     for mesh_dim, place in enumerate(places):
         if isinstance(place, Shard):
@@ -212,6 +220,23 @@ def pack(components, layout):
     return DTensor.from_local(local, device_mesh, places, run_check=False,
                               shape=tuple(shape),
                               stride=_contiguous_stride(tuple(shape)))
+
+
+def _check_same_shape_everywhere(shape):
+    """Each process packs its own component: they must agree in shape, or
+    the tensor they make is not one tensor (checked on every process)."""
+    import torch.distributed as dist
+
+    if not processes.is_joined() or dist.get_world_size() == 1:
+        return
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, shape)
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            "pack needs components of one shape on every process. Received, "
+            "by process: " + ", ".join(
+                f"{r}: {s}" for r, s in enumerate(shapes)) + "."
+        )
 
 
 def unpack(x):

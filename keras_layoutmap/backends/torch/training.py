@@ -19,7 +19,42 @@ from keras.src import tree
 from torch.distributed.tensor import DTensor
 
 from keras_layoutmap.backends.torch import processes
-from keras_layoutmap.backends.torch.placement import to_host, to_layout
+from keras_layoutmap.backends.torch.placement import (
+    describe_mesh,
+    to_device_mesh,
+    to_host,
+    to_layout,
+)
+
+
+def check_mesh(x, device_mesh, whose, mesh=None):
+    """A DTensor input must be on `device_mesh`."""
+    if x.device_mesh != device_mesh:
+        raise ValueError(
+            f"An input is a DTensor on another mesh {describe_mesh(x.device_mesh)} "
+            f"than {whose}, {describe_mesh(device_mesh)}. Place inputs with a "
+            "layout on that mesh (klm.distribute(x, klm.Layout.batch_sharded("
+            "mesh, 'batch', rank))), or pass host data and let the "
+            "distribution place it."
+        )
+
+
+def wrap_model_call(original):
+    """A model on a mesh called on a DTensor from another mesh: a clear
+    error, not DTensor's cross-mesh failure deep inside a layer."""
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        inputs = [x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
+        if inputs:
+            mesh = next((v._value.device_mesh for v in self.variables
+                         if isinstance(getattr(v, "_value", None), DTensor)), None)
+            if mesh is not None:
+                for x in inputs:
+                    check_mesh(x, mesh, f"model {self.name!r}'s variables")
+        return original(self, *args, **kwargs)
+
+    return __call__
 
 
 def _mesh_distribution():
@@ -38,7 +73,11 @@ def distribute_batch(data, dist):
               and not getattr(dist, "auto_shard_dataset", True))
 
     def place(x):
-        if x is None or isinstance(x, DTensor):
+        if x is None:
+            return x
+        if isinstance(x, DTensor):
+            check_mesh(x, to_device_mesh(dist.device_mesh), "the distribution's",
+                       dist.device_mesh)
             return x
         x = convert_to_tensor(x)
         if gather:
