@@ -1,0 +1,175 @@
+"""What torch users do on a mesh, each checked against one process: a
+`torch.utils.data.DataLoader` as `fit` input, a torch-style training loop
+(forward, `loss.backward()`, `optimizer.apply`), the model's `state_dict`
+of DTensor parameters, and `torch.distributed.checkpoint` (DCP) saved
+under one mesh and loaded under another.
+
+Runs under `python -m keras_layoutmap.launch -n 4 -m pytest` (nox -s
+tests-torch): every process runs each test, together."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import keras_layoutmap as klm
+from keras_layoutmap import backends
+
+pytestmark = [
+    pytest.mark.sharding,
+    pytest.mark.training,
+    pytest.mark.skipif(backends.name() != "torch",
+                       reason="torch's own APIs (DataLoader, DCP, backward)"),
+]
+
+BATCH = 64  # 600 rows: the last batch of an epoch holds 24
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = load_digits(return_X_y=True)
+    return (x[:600] / 16.0).astype("float32"), y[:600].astype("int64")
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dropout(0.2, seed=1)(x)
+    outputs = keras.layers.Dense(10, name="d2")(x)
+    model = keras.Model(inputs, outputs, name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def model_parallel(mesh):
+    lm = klm.LayoutMap(mesh)
+    lm[r"d1\.kernel"] = (None, "model")
+    lm[r"d1\.bias"] = ("model",)
+    lm[r"d2\.kernel"] = ("model", None)
+    with lm.scope():
+        return build()
+
+
+def mp_mesh():
+    from conftest import DEVICES
+
+    return klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+
+
+def assert_same_weights(model, reference):
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_dataloader_input_matches_one_process(digits):
+    import torch
+
+    def loader():
+        x, y = digits
+        data = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
+        return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+
+    reference = build()
+    ref_history = reference.fit(loader(), epochs=2, verbose=0).history
+    model = model_parallel(mp_mesh())
+    history = model.fit(loader(), epochs=2, verbose=0).history
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+    assert_same_weights(model, reference)
+    assert klm.fetch_layout(model.get_layer("d1").kernel) == klm.Layout(
+        [None, "model"], mp_mesh())
+
+
+def test_torch_style_loop_matches_one_process(digits):
+    """forward, `loss.backward()`, `optimizer.apply(grads, weights)` on
+    packed batches, with a mesh-aware optimizer and metric."""
+    import torch
+
+    x, y = digits
+    mesh = mp_mesh()
+    rows = klm.Layout.batch_sharded(mesh, "batch", rank=2)
+    labels = klm.Layout.batch_sharded(mesh, "batch", rank=1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def run(model, optimizer, metric, placed):
+        for start in range(0, len(x), BATCH):
+            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
+            if placed:
+                xb, yb = klm.distribute(xb, rows), klm.distribute(yb, labels)
+            else:
+                xb, yb = torch.tensor(xb), torch.tensor(yb)
+            logits = model(xb, training=True)
+            loss = loss_fn(yb, logits)
+            model.zero_grad()
+            loss.backward()
+            grads = [v.value.grad for v in model.trainable_weights]
+            with torch.no_grad():
+                optimizer.apply(grads, model.trainable_weights)
+            metric.update_state(yb, logits)
+        return float(metric.result()), loss
+
+    reference = build()
+    ref_accuracy, ref_loss = run(reference, keras.optimizers.Adam(0.01),
+                                 keras.metrics.SparseCategoricalAccuracy(),
+                                 placed=False)
+    model = model_parallel(mesh)
+    optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
+    accuracy, loss = run(model, optimizer,
+                         keras.metrics.SparseCategoricalAccuracy(mesh=mesh),
+                         placed=True)
+    assert accuracy == ref_accuracy
+    np.testing.assert_allclose(float(klm.unpack(loss)[0]), float(ref_loss),
+                               rtol=1e-5)
+    assert_same_weights(model, reference)
+    # Adam's moments live like their weight, read from the DTensor.
+    kernel = model.get_layer("d1").kernel
+    (moment,) = [v for v in optimizer.variables
+                 if v.path.endswith("d1_kernel_momentum")]
+    assert klm.fetch_layout(moment) == klm.fetch_layout(kernel)
+    assert klm.fetch_layout(moment) == klm.Layout([None, "model"], mesh)
+
+
+def test_state_dict_holds_dtensor_parameters_with_their_layout():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = mp_mesh()
+    model = model_parallel(mesh)
+    state = model.state_dict()
+    kernel = next(v for k, v in state.items() if k.endswith("d1/kernel"))
+    assert isinstance(kernel, DTensor)
+    assert tuple(kernel.placements) == (Replicate(), Shard(1))
+    assert tuple(kernel.to_local().shape) == (64, 16)
+
+
+def test_dcp_checkpoint_loads_under_another_mesh(digits, shared_dir):
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import DEVICES
+
+    x, y = digits
+    model = model_parallel(mp_mesh())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    expected = model.get_weights()
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(shared_dir, "dcp"))
+
+    # A fresh process names its layers as the first did: clear_session does
+    # the same here, so the state_dict keys match.
+    keras.backend.clear_session()
+    other = klm.create_mesh([("batch", 1), ("model", DEVICES)])
+    lm = klm.LayoutMap(other)
+    lm[r"d1\.kernel"] = ("model", None)
+    with lm.scope():
+        restored = build()
+    state = restored.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(shared_dir, "dcp"))
+    for a, b in zip(restored.get_weights(), expected):
+        np.testing.assert_array_equal(a, b)
+    assert klm.fetch_layout(restored.get_layer("d1").kernel) == klm.Layout(
+        ["model", None], other)
