@@ -15,6 +15,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
+from conftest import DEVICES, mp_mesh
 from keras_layoutmap import backends
 
 pytestmark = [
@@ -55,12 +56,6 @@ def model_parallel(mesh):
     lm[r"d2\.kernel"] = ("model", None)
     with lm.scope():
         return build()
-
-
-def mp_mesh():
-    from conftest import DEVICES
-
-    return klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
 
 
 def assert_same_weights(model, reference):
@@ -148,16 +143,14 @@ def test_state_dict_holds_dtensor_parameters_with_their_layout():
     assert tuple(kernel.to_local().shape) == (64, 16)
 
 
-def test_dcp_checkpoint_loads_under_another_mesh(digits, shared_dir):
+def test_dcp_checkpoint_loads_under_another_mesh(digits, tmp_path):
     import torch.distributed.checkpoint as dcp
-
-    from conftest import DEVICES
 
     x, y = digits
     model = model_parallel(mp_mesh())
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     expected = model.get_weights()
-    dcp.save(model.state_dict(), checkpoint_id=os.path.join(shared_dir, "dcp"))
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(tmp_path, "dcp"))
 
     # A fresh process names its layers as the first did: clear_session does
     # the same here, so the state_dict keys match.
@@ -168,7 +161,7 @@ def test_dcp_checkpoint_loads_under_another_mesh(digits, shared_dir):
     with lm.scope():
         restored = build()
     state = restored.state_dict()
-    dcp.load(state, checkpoint_id=os.path.join(shared_dir, "dcp"))
+    dcp.load(state, checkpoint_id=os.path.join(tmp_path, "dcp"))
     for a, b in zip(restored.get_weights(), expected):
         np.testing.assert_array_equal(a, b)
     assert klm.fetch_layout(restored.get_layer("d1").kernel) == klm.Layout(
