@@ -12,10 +12,10 @@ import os
 import keras
 import numpy as np
 import pytest
+from conftest import DEVICES, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
-from conftest import DEVICES, mp_mesh
 from keras_layoutmap import backends
 
 pytestmark = [
