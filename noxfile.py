@@ -1,9 +1,15 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
 `nox` runs lint, the docs site build and the three test sessions. `tests-jax` and
-`tests-tensorflow` run every test; `tests-torch` runs the backend-neutral
-tests (`-m "not sharding"`: torch cannot place tensors on a mesh yet).
-Nothing claims what is not built.
+`tests-tensorflow` run every test in one process (8 virtual devices).
+`tests-torch` runs them twice: the tests that need no mesh (and those that
+start processes of their own) in one process, then every sharding and
+training test under `python -m keras_layoutmap.launch -n 4 -m pytest`, each
+of the 4 processes holding one device of the mesh and running each test
+with the others (a torch mesh spans processes). `-x` ends that run at the
+first failure on any process (the launcher stops the others and prints the
+failing process's log), collectives time out after 60 s, and every test
+after `TORCH_TEST_TIMEOUT` seconds: nothing hangs.
 
 Sessions run on the interpreter nox itself runs on (`python=None`): no
 version pinned that a machine may lack. keras 3.15 (and jax 0.7+, numpy 2.3+)
@@ -74,12 +80,28 @@ def tests_tensorflow(session):
     _pytest(session, "tensorflow")
 
 
+TORCH_PROCESSES = 4
+TORCH_TEST_TIMEOUT = 300  # seconds, per test, in the 4-process run
+MESH_TESTS = "sharding or training"
+
+
 @nox.session(name="tests-torch", python=PYTHON)
 def tests_torch(session):
     _check_python(session)
     session.install(TORCH)
     session.install("-e", ".[test]")
-    _pytest(session, "torch", "-m", "not sharding")
+    session.install(*KERAS_HUB)
+    session.install(*KERAS_HUB_DEPS)
+    _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes")
+    logs = session.create_tmp()
+    session.run(
+        "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
+        "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
+        f"--timeout={TORCH_TEST_TIMEOUT}",
+        "-m", f"({MESH_TESTS}) and not processes",
+        *session.posargs,
+        env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session(python=PYTHON)

@@ -13,11 +13,17 @@ import logging
 import keras.src.backend as keras_backend
 from keras.src.backend import torch as keras_torch
 from keras.src.backend.torch import core as keras_torch_core
+from keras.src.backend.torch import nn as keras_torch_nn
 from keras.src.backend.torch import trainer as keras_torch_trainer
 from keras.src.backend.torch.optimizers import torch_optimizer
 from keras.src.models import model as keras_model
 
-from keras_layoutmap.backends.torch import placement, training, variables
+from keras_layoutmap.backends.torch import (
+    attention,
+    placement,
+    training,
+    variables,
+)
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
     distribute,
     fetch_layout,
@@ -71,5 +77,7 @@ def install():
         setattr(Trainer, name, training.wrap_make_function(
             getattr(Trainer, name), attribute))
     keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
+    keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
+        keras_torch_nn.dot_product_attention)
     Optimizer = torch_optimizer.TorchOptimizer
     Optimizer.apply = training.wrap_apply(Optimizer.apply)

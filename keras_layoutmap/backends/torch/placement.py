@@ -129,7 +129,7 @@ def local_slices(shape, device_mesh, places):
     return tuple(index)
 
 
-def _contiguous_stride(shape):
+def contiguous_stride(shape):
     stride, step = [], 1
     for n in reversed(shape):
         stride.append(step)
@@ -146,7 +146,7 @@ def from_global(value, layout, requires_grad=False):
     local = value[local_slices(tuple(value.shape), device_mesh, places)]
     return DTensor.from_local(
         local.contiguous().clone(), device_mesh, places, run_check=False,
-        shape=tuple(value.shape), stride=_contiguous_stride(tuple(value.shape)),
+        shape=tuple(value.shape), stride=contiguous_stride(tuple(value.shape)),
     ).requires_grad_(requires_grad)
 
 
@@ -219,7 +219,7 @@ def pack(components, layout):
             shape[place.dim] *= device_mesh.size(mesh_dim)
     return DTensor.from_local(local, device_mesh, places, run_check=False,
                               shape=tuple(shape),
-                              stride=_contiguous_stride(tuple(shape)))
+                              stride=contiguous_stride(tuple(shape)))
 
 
 def _check_same_shape_everywhere(shape):

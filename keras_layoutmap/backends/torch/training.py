@@ -16,7 +16,7 @@ import functools
 
 from keras import distribution as keras_distribution
 from keras.src import tree
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from keras_layoutmap.backends.torch import processes
 from keras_layoutmap.backends.torch.placement import (
@@ -39,6 +39,15 @@ def check_mesh(x, device_mesh, whose, mesh=None):
         )
 
 
+def _reduced(x):
+    """A model's output with its pending sums taken (a row-sharded last
+    layer leaves `Partial` placements): a value, as on JAX and TF."""
+    if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
+        return x.redistribute(x.device_mesh, [
+            Replicate() if isinstance(p, Partial) else p for p in x.placements])
+    return x
+
+
 def wrap_model_call(original):
     """A model on a mesh called on a DTensor from another mesh: a clear
     error, not DTensor's cross-mesh failure deep inside a layer."""
@@ -52,7 +61,7 @@ def wrap_model_call(original):
             if mesh is not None:
                 for x in inputs:
                     check_mesh(x, mesh, f"model {self.name!r}'s variables")
-        return original(self, *args, **kwargs)
+        return tree.map_structure(_reduced, original(self, *args, **kwargs))
 
     return __call__
 
