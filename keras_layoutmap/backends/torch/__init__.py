@@ -14,13 +14,17 @@ import keras.src.backend as keras_backend
 from keras.src.backend import torch as keras_torch
 from keras.src.backend.torch import core as keras_torch_core
 from keras.src.backend.torch import nn as keras_torch_nn
+from keras.src.backend.torch import random as keras_torch_random
 from keras.src.backend.torch import trainer as keras_torch_trainer
 from keras.src.backend.torch.optimizers import torch_optimizer
+from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.models import model as keras_model
 
 from keras_layoutmap.backends.torch import (
     attention,
+    keras_distribution,
     placement,
+    random_draws,
     training,
     variables,
 )
@@ -77,6 +81,8 @@ def install():
         setattr(Trainer, name, training.wrap_make_function(
             getattr(Trainer, name), attribute))
     keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
+    keras_torch_random.dropout = random_draws.wrap_dropout(keras_torch_random.dropout)
+    keras_distribution_lib.distribution_lib = keras_distribution
     keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
         keras_torch_nn.dot_product_attention)
     Optimizer = torch_optimizer.TorchOptimizer
