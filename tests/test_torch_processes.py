@@ -1,0 +1,98 @@
+"""torch across processes, from the outside: a process that raises or dies
+ends every other within seconds, and torchrun starts the same script the
+launcher does. Each test starts its own processes (run from one process)."""
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from keras_layoutmap import backends
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(backends.name() != "torch",
+                       reason="one device per process is torch's model"),
+]
+
+TRAIN = textwrap.dedent("""
+    import os, sys, time
+    import keras_layoutmap as klm
+    klm.configure_virtual_devices(int(os.environ["WORLD_SIZE"]))
+    import keras, numpy as np
+    rank = klm.process_index()
+    klm.set_distribution(klm.DataParallel(klm.create_mesh(
+        [("batch", klm.process_count())])))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+
+    class Fail(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and rank == 1:
+                {fail}
+
+    model.fit(np.ones((256, 4)), np.ones((256, 2)), batch_size=8, epochs=50,
+              verbose=0, callbacks=[Fail()])
+    print("finished", rank, flush=True)
+""")
+
+
+def launch(tmp_path, fail, n=4, timeout=120):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.format(fail=fail))
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n),
+         "--log-dir", str(tmp_path / "logs"), str(script)],
+        capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("fail, status", [
+    ("raise ValueError('rank 1 fails on purpose')", 1),
+    ("os.kill(os.getpid(), 9)", 137),
+])
+def test_a_process_that_raises_or_dies_ends_every_other(tmp_path, fail, status):
+    result, seconds = launch(tmp_path, fail)
+    assert result.returncode == status, result.stderr[-3000:]
+    assert "finished" not in result.stdout
+    # Rank 1's own log is printed when it fails.
+    if status == 1:
+        assert "rank 1 fails on purpose" in result.stderr
+    # The others were training: 50 epochs would take far longer than this.
+    assert seconds < 60, seconds
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_starts_the_script_the_launcher_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.format(fail="pass"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         str(script)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.split("finished")[1:]) == [" 0\n", " 1\n"]
+
+
+def test_a_world_that_cannot_hold_the_mesh_fails_on_every_process(tmp_path):
+    script = tmp_path / "eight.py"
+    script.write_text("import keras_layoutmap as klm\n"
+                      "klm.configure_virtual_devices(8)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "2",
+         "--log-dir", str(tmp_path / "logs"), str(script)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    message = "a mesh of 8 devices spans 8 processes"
+    assert message in result.stderr
+    assert message in (tmp_path / "logs" / "rank1.log").read_text()
