@@ -39,9 +39,8 @@ def distribute(x, layout):
     Example:
 
     >>> import numpy as np, keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 1)],
-    ...     devices=klm.list_devices()[:1])
-    >>> x = klm.distribute(np.ones((4, 3)), klm.Layout(["batch", None], mesh))
+    >>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
+    >>> x = klm.distribute(np.ones((8, 3)), klm.Layout(["batch", None], mesh))
     >>> klm.fetch_layout(x).sharding_specs
     ['batch', 'unsharded']
     """

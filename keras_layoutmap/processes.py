@@ -220,18 +220,55 @@ def _one_writer(save):
     return method
 
 
+def _backup_saved_once(save_model):
+    """`BackupAndRestore` across processes: every process takes part in
+    saving the weights (a collective), process 0 alone copies files and
+    writes the epoch it reached, and all go on once that is done."""
+
+    @functools.wraps(save_model)
+    def _save_model(self):
+        backend = backends.get()
+        if backend.process_count() == 1:
+            return save_model(self)
+        if backend.process_index() == 0:
+            save_model(self)
+        else:
+            self.model.save_weights(self._weights_path, overwrite=True)
+        backend.barrier("klm_backup_saved")
+
+    return _save_model
+
+
+def _backup_deleted_once(on_train_end):
+    @functools.wraps(on_train_end)
+    def method(self, logs=None):
+        backend = backends.get()
+        if backend.process_count() == 1:
+            return on_train_end(self, logs)
+        backend.barrier("klm_backup_done")
+        if backend.process_index() == 0:
+            on_train_end(self, logs)
+        backend.barrier("klm_backup_deleted")
+
+    return method
+
+
 _INSTALLED = False
 
 
 def install():
-    """Make `Model.save_weights` and `Model.save` write once across
-    processes (idempotent)."""
+    """Make `Model.save_weights`, `Model.save` and `BackupAndRestore` write
+    once across processes (idempotent)."""
     global _INSTALLED
     if _INSTALLED:
         return
+    from keras import callbacks as keras_callbacks
     from keras import models as keras_models
 
     for name in ("save_weights", "save"):
         setattr(keras_models.Model, name,
                 _one_writer(getattr(keras_models.Model, name)))
+    Backup = keras_callbacks.BackupAndRestore
+    Backup._save_model = _backup_saved_once(Backup._save_model)
+    Backup.on_train_end = _backup_deleted_once(Backup.on_train_end)
     _INSTALLED = True

@@ -14,6 +14,7 @@ import keras.src.backend as keras_backend
 from keras.src.backend import torch as keras_torch
 from keras.src.backend.torch import core as keras_torch_core
 from keras.src.backend.torch import nn as keras_torch_nn
+from keras.src.backend.torch import numpy as keras_torch_numpy
 from keras.src.backend.torch import random as keras_torch_random
 from keras.src.backend.torch import trainer as keras_torch_trainer
 from keras.src.backend.torch.optimizers import torch_optimizer
@@ -23,6 +24,7 @@ from keras.src.models import model as keras_model
 from keras_layoutmap.backends.torch import (
     attention,
     keras_distribution,
+    lookups,
     placement,
     random_draws,
     training,
@@ -83,6 +85,7 @@ def install():
     keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
     keras_torch_random.dropout = random_draws.wrap_dropout(keras_torch_random.dropout)
     keras_distribution_lib.distribution_lib = keras_distribution
+    keras_torch_numpy.take = lookups.wrap_take(keras_torch_numpy.take)
     keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
         keras_torch_nn.dot_product_attention)
     Optimizer = torch_optimizer.TorchOptimizer

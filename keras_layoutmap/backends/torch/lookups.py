@@ -1,0 +1,89 @@
+"""Embedding lookups (`ops.take(table, ids, axis=0)`) from a table sharded
+over its rows (the vocabulary).
+
+DTensor's own rule for this lookup leaves a masked partial result whose mask
+has the local shape of the ids; torch 2.13 then reduces it after the ids'
+batch layout changed and fails on shapes that no longer match (Gemma's
+scaled embeddings). So the lookup is the classic vocabulary-parallel one
+(columns split over other axes are gathered first):
+each process looks up the ids that fall in its rows, zeros the others, and
+the pieces are summed over the mesh axes that split the rows. The gradient
+of that sum is the output's gradient on every process (an all-reduce
+forward, the identity backward), as DTensor holds a replicated gradient.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from keras_layoutmap.backends.torch.placement import contiguous_stride, local_slices
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _row_sharded_lookup(table, ids):
+    mesh = table.device_mesh
+    row_dims = [i for i, p in enumerate(table.placements)
+                if isinstance(p, Shard) and p.dim == 0]
+    if not row_dims:
+        return None  # rows whole: DTensor's own lookup is fine
+    whole_columns = [Shard(0) if i in row_dims else Replicate()
+                     for i in range(mesh.ndim)]
+    if tuple(table.placements) != tuple(whole_columns):
+        # Columns split too (keras-hub's (model, batch) embeddings): gathered
+        # for the lookup, as FSDP gathers a weight to compute with it.
+        table = table.redistribute(mesh, whole_columns)
+    if not isinstance(ids, DTensor):
+        ids = DTensor.from_local(ids, mesh, [Replicate()] * mesh.ndim,
+                                 run_check=False)
+    ids_places = [Replicate() if i in row_dims else p
+                  for i, p in enumerate(ids.placements)]
+    if tuple(ids.placements) != tuple(ids_places):
+        ids = ids.redistribute(mesh, ids_places)
+    rows = local_slices(tuple(table.shape), mesh, table.placements)[0]
+    local_ids = ids.to_local()
+    inside = (local_ids >= rows.start) & (local_ids < rows.stop)
+    # Each process's gradient for its rows covers its own ids only: partial
+    # sums over the axes that split the ids.
+    grad_places = [Shard(0) if i in row_dims else
+                   Partial() if isinstance(ids_places[i], Shard) else Replicate()
+                   for i in range(mesh.ndim)]
+    found = torch.nn.functional.embedding(
+        torch.where(inside, local_ids - rows.start, 0),
+        table.to_local(grad_placements=grad_places))
+    found = found * inside.unsqueeze(-1).to(found.dtype)
+    for mesh_dim in row_dims:
+        found = _SumOverGroup.apply(found, mesh.get_group(mesh_dim))
+    shape = (*ids.shape, table.shape[1])
+    return DTensor.from_local(found, mesh, ids_places, run_check=False,
+                              shape=shape, stride=contiguous_stride(shape))
+
+
+def wrap_take(original):
+    @functools.wraps(original)
+    def take(x, indices, axis=None):
+        from keras.src.backend.torch.core import Variable, convert_to_tensor
+
+        if isinstance(x, Variable):
+            x = x.value
+        if isinstance(x, DTensor) and x.ndim == 2 and axis == 0:
+            ids = convert_to_tensor(indices).long()
+            ids = torch.where(ids < 0, ids + x.shape[0], ids)
+            out = _row_sharded_lookup(x, ids)
+            if out is not None:
+                return out
+        return original(x, indices, axis=axis)
+
+    return take
