@@ -136,6 +136,7 @@ def test_keras_file(workdir, capsys):
     assert len(json.loads(out)["weights"]) == 4
 
 
+@pytest.mark.processes
 def test_weights_are_not_allocated(workdir):
     model = cli.build_model("klm_builders:huge")
     (embed,) = model.weights
@@ -213,6 +214,7 @@ def test_rules_file_of_the_wrong_schema(workdir, capsys):
 
 # --- the command line itself ---------------------------------------------------
 
+@pytest.mark.processes
 def test_help_needs_no_keras():
     # cli.py alone (as `python -m keras_layoutmap` runs it once the package
     # import is light) parses --help without importing Keras.
@@ -238,6 +240,7 @@ def test_help_needs_no_keras():
     assert "--mesh AXIS=SIZE,..." in result.stdout
 
 
+@pytest.mark.processes
 def test_python_dash_m(workdir):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{workdir}"}
     result = subprocess.run(
@@ -264,6 +267,7 @@ def test_keras_is_importable_here():
     assert keras.__version__  # the in-process tests above need a backend
 
 
+@pytest.mark.processes
 def test_help_imports_no_keras_through_python_m(tmp_path):
     # `python -m keras_layoutmap --help` imports the package while Python
     # locates __main__: it must stay light (no Keras, no backend).

@@ -46,6 +46,7 @@ def test_every_example_is_listed():
     assert scripts == {script for script, _, _ in SCRIPTS}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("script, args, passed", SCRIPTS)
 def test_example_runs(script, args, passed):
     backend = backends.name()

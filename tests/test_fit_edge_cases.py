@@ -13,6 +13,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from conftest import dp_mesh, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
@@ -49,12 +50,12 @@ def build():
 
 
 def build_under(kind):
-    """The model built on one device, under DataParallel(8) or under
-    ModelParallel on a (batch 4, model 2) mesh."""
+    """The model built on one device, under DataParallel over every device
+    or under ModelParallel on a (batch, model 2) mesh."""
     if kind == "data_parallel":
-        with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
+        with klm.DataParallel(dp_mesh()).scope():
             return build()
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"d1\.bias"] = ("model",)
@@ -189,6 +190,7 @@ def _run(script, *args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.processes
 def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
     x, y = digits
     np.savez(tmp_path / "data.npz", x=x, y=y)
@@ -221,8 +223,9 @@ def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
 # -- Odd batches ---------------------------------------------------------------
 
 
-def test_batch_of_three_on_eight_devices(digits):
-    """Every batch holds fewer rows than the batch axis has devices."""
+def test_batch_of_three_on_more_devices(digits):
+    """Every batch holds fewer rows than the batch axis has devices (8, or
+    4 on torch)."""
     x, y = digits[0][:48], digits[1][:48]
 
     def run(model):

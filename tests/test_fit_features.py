@@ -5,6 +5,7 @@ ModelCheckpoint, BackupAndRestore and EarlyStopping callbacks."""
 import keras
 import numpy as np
 import pytest
+from conftest import dp_mesh, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
@@ -59,7 +60,7 @@ def test_regularization_losses_count_once(digits):
     x, y = digits
     reference = build(regularized=True)
     ref = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     model = model_parallel(mesh, regularized=True)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     # A penalty counted once per device would show in the loss at once.
@@ -85,7 +86,7 @@ def test_python_generator_with_short_batch(digits):
                               return_dict=True)
 
     ref_logs = fit(reference := build())
-    mesh = klm.create_mesh([("batch", 8)])
+    mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
         model = build()
     logs = fit(model)
@@ -101,7 +102,7 @@ def test_spatial_parallel_fit_matches_single_device(digits):
     x, y = digits
     reference = build(spatial=True)
     ref = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    mesh = klm.create_mesh([("batch", 4), ("feature", 2)])
+    mesh = mp_mesh("feature")
     lm = klm.LayoutMap(mesh)
     lm["pixels/output"] = ("batch", "feature")
     lm[r"d1\.kernel"] = ("feature", None)
@@ -115,7 +116,7 @@ def test_spatial_parallel_fit_matches_single_device(digits):
 
 def test_model_checkpoint_saves_weights_that_load_anywhere(tmp_path, digits):
     x, y = digits
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     model = model_parallel(mesh)
     path = str(tmp_path / "best.weights.h5")
     model.fit(x, y, batch_size=BATCH, epochs=2, validation_split=0.2, verbose=0,
@@ -141,7 +142,7 @@ def test_backup_and_restore_resumes_training(tmp_path, digits):
     x, y = digits
     reference = build()
     reference.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
-    mesh = klm.create_mesh([("batch", 8)])
+    mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
         model = build()
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
@@ -167,7 +168,7 @@ def test_early_stopping_restores_best_weights(digits):
                          verbose=0, callbacks=[stop]).history
 
     ref_history = fit(reference := build())
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     model = model_parallel(mesh)
     history = fit(model)
     assert len(history["loss"]) == len(ref_history["loss"]) < 5
@@ -202,7 +203,7 @@ def test_every_variable_on_the_mesh_and_steps_per_execution(digits):
         ])
 
     ref_history = fit(reference := build_bn_dropout())
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     with klm.ModelParallel(layout_map=lm).scope():
@@ -236,6 +237,6 @@ def test_empty_data_ends_as_on_one_device():
     expected = [_outcome(lambda: plain.evaluate(x, y, verbose=0)),
                 _outcome(lambda: plain.fit(x, y, verbose=0))]
     model = build()
-    klm.set_distribution(klm.DataParallel(klm.create_mesh([("batch", 8)])))
+    klm.set_distribution(klm.DataParallel(dp_mesh()))
     assert [_outcome(lambda: model.evaluate(x, y, verbose=0)),
             _outcome(lambda: model.fit(x, y, verbose=0))] == expected

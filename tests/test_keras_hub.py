@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+from conftest import mp_mesh
 
 import keras_layoutmap as klm
 
@@ -49,7 +50,7 @@ def test_gemma_model_parallel_parity():
 
     import keras_hub
 
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     keras_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
     layout_map = klm.LayoutMap.from_keras(keras_map)
     with layout_map.scope():

@@ -1,6 +1,6 @@
 import keras
 import pytest
-from conftest import fake_mesh
+from conftest import DEVICES, fake_mesh
 
 import keras_layoutmap as klm
 
@@ -23,14 +23,15 @@ def test_mesh_equality_by_value():
 
 
 def test_device_names_spelled_as_in_the_dtensor_tutorials_compare_equal():
-    lower = fake_mesh([("batch", 4), ("model", 2)])
-    upper = klm.create_mesh([("batch", 4), ("model", 2)],
-                            devices=[f"CPU:{i}" for i in range(8)])
+    # The devices of this run, named three ways.
+    dims, n = [("batch", DEVICES), ("model", 1)], DEVICES
+    lower = fake_mesh(dims)
+    upper = klm.create_mesh(dims, devices=[f"CPU:{i}" for i in range(n)])
     full = klm.create_mesh(
-        [("batch", 4), ("model", 2)],
-        devices=[f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(8)])
+        dims,
+        devices=[f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)])
     assert upper == lower == full
-    assert list(upper.devices.ravel()) == [f"cpu:{i}" for i in range(8)]
+    assert list(upper.devices.ravel()) == [f"cpu:{i}" for i in range(n)]
     assert klm.Layout(["batch", None], upper) == klm.Layout(["batch", None], lower)
 
 

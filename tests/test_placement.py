@@ -6,6 +6,7 @@ layout that does not fit moves nothing."""
 import keras
 import numpy as np
 import pytest
+from conftest import DEVICES, dp_mesh, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
@@ -67,8 +68,8 @@ def meshes(model):
     return {klm.fetch_layout(v).mesh.size for v in state}
 
 
-def data_parallel(n=8):
-    return klm.DataParallel(klm.create_mesh([("batch", n)]))
+def data_parallel():
+    return klm.DataParallel(dp_mesh())
 
 
 def test_back_to_one_device_after_a_global_distribution_trains(digits):
@@ -81,7 +82,7 @@ def test_back_to_one_device_after_a_global_distribution_trains(digits):
     klm.set_distribution(data_parallel())
     np.testing.assert_allclose(evaluate(model, digits), evaluate(reference, digits),
                                rtol=1e-5)
-    assert meshes(model) == {8}
+    assert meshes(model) == {DEVICES}
     assert_history(fit(model, digits), fit(reference, digits))
     klm.set_distribution(None)
 
@@ -97,7 +98,7 @@ def test_back_to_one_device_after_a_global_distribution_trains(digits):
 def test_failed_model_parallel_fit_moves_nothing(digits):
     model, reference = build(width=33), build(width=33)
     assert_history(fit(model, digits), fit(reference, digits))
-    layout_map = klm.LayoutMap(klm.create_mesh([("batch", 4), ("model", 2)]))
+    layout_map = klm.LayoutMap(mp_mesh())
     layout_map[r"d1\.kernel"] = (None, "model")  # 33 columns: 2 does not divide
     layout_map[r"d2\.kernel"] = ("model", None)
     klm.set_distribution(klm.ModelParallel(layout_map=layout_map))
@@ -125,7 +126,7 @@ def test_model_moves_from_its_mesh_to_another_and_back(digits):
     # Built model-parallel on mesh B, fit under a data-parallel distribution
     # on mesh A (the global one wins), then outside it: back on B with its
     # rules. Equal to one device throughout.
-    mesh_b = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh_b = mp_mesh()
     layout_map = klm.LayoutMap(mesh_b)
     layout_map[r"d1\.kernel"] = (None, "model")
     with layout_map.scope():
@@ -137,7 +138,7 @@ def test_model_moves_from_its_mesh_to_another_and_back(digits):
     klm.set_distribution(data_parallel())
     history = fit(model, digits)
     layout = klm.fetch_layout(kernel)
-    assert layout.mesh == klm.create_mesh([("batch", 8)])
+    assert layout.mesh == dp_mesh()
     assert layout.sharding_specs == ["unsharded", "unsharded"]
     klm.set_distribution(None)
     assert_history(history, fit(reference, digits))
@@ -154,8 +155,8 @@ def test_model_moves_from_its_mesh_to_another_and_back(digits):
 
 
 def test_layouts_on_two_meshes_in_one_model_are_refused_clearly(digits):
-    mesh_a = klm.create_mesh([("batch", 8)])
-    mesh_b = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh_a = dp_mesh()
+    mesh_b = mp_mesh()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)),

@@ -9,7 +9,7 @@ import os
 import keras
 import numpy as np
 import pytest
-from conftest import fake_mesh
+from conftest import SPANS_PROCESSES, fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 
@@ -18,7 +18,7 @@ sharding = pytest.mark.sharding
 
 @pytest.fixture
 def mesh():
-    return klm.create_mesh([("batch", 4), ("model", 2)])
+    return mp_mesh()
 
 
 class SubclassModel(keras.Model):
@@ -64,8 +64,10 @@ def test_mesh_methods_ported_code_calls():
     assert mesh.coords(7).tolist() == [3, 1]
     assert mesh.unravel_index()[2] == {"batch": 1, "model": 0}
     assert mesh.global_device_ids().shape == (4, 2)
-    assert mesh.local_device_ids() == list(range(8))
-    assert mesh.local_devices() == [f"cpu:{i}" for i in range(8)]
+    # Every device is this process's, unless each process has one of its own.
+    local = [int(os.environ["RANK"])] if SPANS_PROCESSES else list(range(8))
+    assert mesh.local_device_ids() == local
+    assert mesh.local_devices() == [f"cpu:{i}" for i in local]
     assert mesh.host_mesh() == mesh
 
 

@@ -80,6 +80,7 @@ pytestmark_mp = pytest.mark.skipif(
     "test_torch_needs_one_process_per_device checks what it does")
 
 
+@pytest.mark.processes
 @pytestmark_mp
 @pytest.mark.parametrize("name", ["data_parallel", "model_parallel"])
 def test_global_data_trains_as_one_device(parity, name):
@@ -96,6 +97,7 @@ def test_global_data_trains_as_one_device(parity, name):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_model_axis_spans_processes(parity):
     _, ranks = parity
@@ -105,6 +107,7 @@ def test_model_axis_spans_processes(parity):
         assert run["local_devices"] == 4
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_own_slices_with_short_batches_train_as_one_device(parity):
     # Fault: a short last local batch silently desynchronised the processes.
@@ -116,6 +119,7 @@ def test_own_slices_with_short_batches_train_as_one_device(parity):
                           ranks[1]["runs"]["own_slices"]["weights"]) == 0
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
     out, ranks = parity
@@ -135,6 +139,7 @@ def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
                           ranks[0]["runs"]["model_parallel"]["weights"]) == 0
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
     script = tmp_path / "cluster.py"
@@ -150,6 +155,7 @@ def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
     assert [(tmp_path / r).read_text() for r in "01"] == ["2 8 4", "2 8 4"]
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
     script = tmp_path / "three.py"
@@ -161,6 +167,7 @@ def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
     assert "keras_layoutmap.launch -n 4" in result.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(backends.name() != "torch",
                     reason="JAX and TensorFlow put several devices in a process")
 def test_torch_needs_one_process_per_device(tmp_path):
@@ -172,6 +179,7 @@ def test_torch_needs_one_process_per_device(tmp_path):
     assert "keras_layoutmap.launch -n 8" in result.stderr
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_rest_of_the_contract_runs_unchanged(parity):
     out, ranks = parity
@@ -194,6 +202,7 @@ def test_rest_of_the_contract_runs_unchanged(parity):
     assert (out / "model.keras").is_file()
 
 
+@pytest.mark.processes
 @pytestmark_mp
 def test_a_process_that_raises_ends_the_run(tmp_path):
     # Rank 1 raises while rank 0 waits for it in fit's first collective: the

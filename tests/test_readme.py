@@ -25,6 +25,7 @@ def test_first_snippet_sets_the_backend_before_keras():
     assert "from_logits=True" in code
 
 
+@pytest.mark.processes
 @pytest.mark.training
 @pytest.mark.skipif(backends.name() == "torch",
                     reason="the snippet trains on a mesh; the torch backend "

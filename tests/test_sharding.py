@@ -3,19 +3,28 @@
 import keras
 import numpy as np
 import pytest
+from conftest import DEVICES, dp_mesh, local_shards, mp_mesh
 
 import keras_layoutmap as klm
 
 pytestmark = pytest.mark.sharding
 
+B = DEVICES // 2  # the batch axis of mp_mesh(): 4 on 8 devices, 2 on 4
+
 
 @pytest.fixture
 def mesh():
-    return klm.create_mesh([("batch", 4), ("model", 2)])
+    return mp_mesh()
 
 
 def shard_shapes(x):
+    """The shapes of this process's shards of `x`."""
     return [tuple(s.shape) for s in klm.unpack(x)]
+
+
+def on_each(mesh, shape):
+    """`shape` once for each of this process's devices of `mesh`."""
+    return [shape] * mesh.num_local_devices()
 
 
 def host(x):
@@ -58,8 +67,8 @@ def test_subclassed_scope(mesh, build_inside):
     for layer in (model.feature, model.feature_2):
         assert klm.fetch_layout(layer.kernel) == klm.Layout(["batch", None], mesh)
         assert klm.fetch_layout(layer.bias) == klm.Layout(["batch"], mesh)
-    assert shard_shapes(model.feature.kernel) == [(4, 16)] * 8
-    assert shard_shapes(model.feature_2.bias) == [(6,)] * 8
+    assert shard_shapes(model.feature.kernel) == on_each(mesh, (16 // B, 16))
+    assert shard_shapes(model.feature_2.bias) == on_each(mesh, (24 // B,))
 
 
 class Attention(keras.Model):
@@ -116,7 +125,7 @@ def test_functional_and_sequential_scope(mesh):
     for model in (functional, sequential):
         kernel = model.get_layer("feature_2").kernel
         assert klm.fetch_layout(kernel) == klm.Layout(["batch", None], mesh)
-        assert shard_shapes(kernel) == [(4, 32)] * 8
+        assert shard_shapes(kernel) == on_each(mesh, (16 // B, 32))
 
 
 def test_rules_on_variable_path_and_unmatched_replicated(mesh):
@@ -129,7 +138,7 @@ def test_rules_on_variable_path_and_unmatched_replicated(mesh):
     assert klm.fetch_layout(model.layers[0].kernel).axes == (None, "model")
     assert klm.fetch_layout(model.layers[1].kernel).axes == (None, None)
     assert klm.fetch_layout(model.layers[1].kernel).mesh == mesh
-    assert shard_shapes(model.layers[1].kernel) == [(4, 4)] * 8
+    assert shard_shapes(model.layers[1].kernel) == on_each(mesh, (4, 4))
 
 
 def test_layer_kwargs_place_weights_without_scope(mesh):
@@ -138,8 +147,8 @@ def test_layer_kwargs_place_weights_without_scope(mesh):
         bias_layout=klm.Layout(["model"], mesh))
     dense.build((2, 4))
     assert klm.fetch_layout(dense.kernel).axes == (None, "model")
-    assert shard_shapes(dense.kernel) == [(4, 4)] * 8
-    assert shard_shapes(dense.bias) == [(4,)] * 8
+    assert shard_shapes(dense.kernel) == on_each(mesh, (4, 4))
+    assert shard_shapes(dense.bias) == on_each(mesh, (4,))
 
 
 def test_kwarg_beats_rule_and_is_validated(mesh):
@@ -156,35 +165,37 @@ def test_kwarg_beats_rule_and_is_validated(mesh):
 
 
 def test_kwarg_layout_on_another_mesh_is_refused(mesh):
-    other = klm.create_mesh([("batch", 8)])
+    other = dp_mesh()
     with klm.DataParallel(other).scope():
         dense = keras.layers.Dense(8, kernel_layout=klm.Layout([None, "model"], mesh),
                                    name="elsewhere")
         with pytest.raises(ValueError, match=r"'elsewhere\.kernel'.*"
-                           r"elsewhere\.kernel_layout.*Mesh\(batch=4, model=2\).*"
-                           r"distribution places the model on Mesh\(batch=8\)"):
+                           rf"elsewhere\.kernel_layout.*Mesh\(batch={B}, model=2\).*"
+                           r"distribution places the model on "
+                           rf"Mesh\(batch={DEVICES}\)"):
             dense.build((2, 4))
     assert not dense.weights
 
 
 @pytest.mark.parametrize(
     "rule, match",
-    [(("model",), r"d1\.kernel.*shape \(4, 6\) \(rank 2\).*rule 'd1\.kernel'.*rank 1"),
-     (("batch", None), r"d1\.kernel.*dimension 0 \(size 4\).*'batch' \(size 4\)"),
-     ((None, "batch"), r"d1\.kernel.*dimension 1 \(size 6\) over mesh axis 'batch' "
-      r"\(size 4\)")],
+    # d1's kernel is (4, 5): 4 rows fit a batch axis of 4 or 2; 5 columns do not.
+    [(("model",), r"d1\.kernel.*shape \(4, 5\) \(rank 2\).*rule 'd1\.kernel'.*rank 1"),
+     (("batch", None), None),
+     ((None, "batch"), r"d1\.kernel.*dimension 1 \(size 5\) over mesh axis 'batch' "
+      rf"\(size {B}\)")],
 )
 def test_bad_rule_raises_before_allocation(mesh, rule, match):
     lm = klm.LayoutMap(mesh)
     lm["d1.kernel"] = rule
-    if rule == ("batch", None):  # 4 % 4 == 0: this one fits
+    if rule == ("batch", None):  # 4 % B == 0: this one fits
         with lm.scope():
             model = keras.Sequential([keras.Input((4,)),
-                                      keras.layers.Dense(6, name="d1")])
+                                      keras.layers.Dense(5, name="d1")])
         assert klm.fetch_layout(model.layers[0].kernel).axes == ("batch", None)
         return
     with lm.scope():
-        layer = keras.layers.Dense(6, name="d1")
+        layer = keras.layers.Dense(5, name="d1")
         with pytest.raises(ValueError, match=match):
             keras.Sequential([keras.Input((4,)), layer])
     assert not layer.built and not layer.weights
@@ -202,14 +213,17 @@ def test_distribute_pack_unpack_copy_to_mesh(mesh):
     dx = klm.distribute(x, layout)
     assert klm.fetch_layout(dx) == layout
     parts = klm.unpack(dx)
-    assert [p.shape for p in parts] == [(2, 3)] * 8
-    np.testing.assert_array_equal(np.asarray(parts[1]), x[0:2, 3:6])
-    np.testing.assert_array_equal(np.asarray(parts[2]), x[2:4, 0:3])
+    assert [p.shape for p in parts] == on_each(mesh, (8 // B, 3))
+    # Each of this process's devices holds its block of x, in mesh order.
+    expected = local_shards(x, layout)
+    assert len(parts) == len(expected)
+    for part, block in zip(parts, expected):
+        np.testing.assert_array_equal(np.asarray(part), block)
     packed = klm.pack([np.asarray(p) for p in parts], layout)
     assert klm.fetch_layout(packed) == layout
     np.testing.assert_array_equal(host(packed), x)
     rep = klm.copy_to_mesh(x, klm.Layout.replicated(mesh, 2))
-    assert [p.shape for p in klm.unpack(rep)] == [(8, 6)] * 8
+    assert [p.shape for p in klm.unpack(rep)] == on_each(mesh, (8, 6))
     np.testing.assert_array_equal(host(rep), x)
     # Keras' own conversion gathers a sharded tensor, as on one device.
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(dx), x)
@@ -217,10 +231,12 @@ def test_distribute_pack_unpack_copy_to_mesh(mesh):
 
 def test_data_errors(mesh):
     layout = klm.Layout(["batch", None], mesh)
-    with pytest.raises(ValueError, match=r"dimension 0 \(size 6\).*'batch' \(size 4\)"):
-        klm.distribute(np.zeros((6, 2)), layout)
-    with pytest.raises(ValueError, match="one component per local device.*8. "
-                       "Received 3"):
+    rows = B + 1  # not a multiple of the batch axis
+    with pytest.raises(ValueError, match=rf"dimension 0 \(size {rows}\).*'batch' "
+                       rf"\(size {B}\)"):
+        klm.distribute(np.zeros((rows, 2)), layout)
+    with pytest.raises(ValueError, match="one component per local device.*"
+                       f"{mesh.num_local_devices()}. Received 3"):
         klm.pack([np.zeros((2, 2))] * 3, layout)
     with pytest.raises(ValueError, match="fully replicated"):
         klm.copy_to_mesh(np.zeros((8, 2)), layout)
@@ -229,7 +245,7 @@ def test_data_errors(mesh):
 
 
 def test_spatial_parallel_forward_matches_single_device():
-    mesh = klm.create_mesh([("batch", 4), ("feature", 2)])
+    mesh = mp_mesh("feature")
     keras.utils.set_random_seed(1)
     single = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="d")])
     x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
@@ -240,7 +256,7 @@ def test_spatial_parallel_forward_matches_single_device():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="d")])
     model.set_weights(single.get_weights())
     dx = klm.distribute(x, klm.Layout(["batch", "feature"], mesh))
-    assert [p.shape for p in klm.unpack(dx)] == [(4, 4)] * 8
+    assert [p.shape for p in klm.unpack(dx)] == on_each(mesh, (16 // B, 4))
     with lm.scope():
         out = model(dx)
     np.testing.assert_allclose(host(out), expected, rtol=1e-5, atol=1e-6)
@@ -260,7 +276,7 @@ def test_optimizer_mesh_and_slot_layouts(mesh):
     assert len(slots) == 2  # momentum and velocity
     for slot in slots:
         assert klm.fetch_layout(slot) == klm.fetch_layout(kernel)
-        assert [s.shape for s in klm.unpack(slot)] == [(4, 4)] * 8
+        assert [s.shape for s in klm.unpack(slot)] == on_each(mesh, (4, 4))
     # Gradients arrive laid out like their weights (as a tape gives them).
     grads = [klm.distribute(np.ones(v.shape, "float32"), klm.fetch_layout(v))
              for v in model.trainable_variables]

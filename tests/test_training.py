@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+from conftest import DEVICES, dp_mesh, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
@@ -92,7 +93,7 @@ def test_plain_keras_data_parallel_crashes_on_the_short_batch(digits):
 
 
 def test_data_parallel_matches_single_device(digits, single):
-    mesh = klm.create_mesh([("batch", 8)])
+    mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
         model = build()
     history = train(model, digits)  # outside the scope: the model remembers
@@ -103,7 +104,7 @@ def test_data_parallel_matches_single_device(digits, single):
 
 
 def test_model_parallel_matches_single_device(digits, single):
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     lm = model_parallel_map(mesh)
     with lm.scope():
         model = build()
@@ -113,8 +114,10 @@ def test_model_parallel_matches_single_device(digits, single):
     # Layouts as JAX holds them after training, weights and optimizer slots.
     d1 = model.get_layer("d1")
     assert klm.fetch_layout(d1.kernel) == klm.Layout([None, "model"], mesh)
-    assert [p.shape for p in klm.unpack(d1.kernel)] == [(64, 32)] * 8
-    assert [p.shape for p in klm.unpack(model.get_layer("d2").kernel)] == [(32, 32)] * 8
+    local = mesh.num_local_devices()  # all 8 in one process; 1 a process on torch
+    assert [p.shape for p in klm.unpack(d1.kernel)] == [(64, 32)] * local
+    assert [p.shape for p in klm.unpack(model.get_layer("d2").kernel)] == [
+        (32, 32)] * local
     slots = [v for v in model.optimizer.variables if "d1_kernel" in v.path]
     assert slots and all(klm.fetch_layout(s) == klm.fetch_layout(d1.kernel)
                          for s in slots)
@@ -131,11 +134,12 @@ def test_model_parallel_matches_single_device(digits, single):
 
 
 def test_short_batch_loss_and_gradients_exact(digits):
-    """A 29-row batch on an 8-way batch axis: one step, compared directly."""
+    """A 29-row batch on the whole batch axis (8 or 4 devices, neither
+    divides 29): one step, compared directly."""
     x, y = digits[0][:29], digits[1][:29]
     reference = compile_(build())
     ref_logs = reference.train_on_batch(x, y, return_dict=True)
-    mesh = klm.create_mesh([("batch", 8)])
+    mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
         model = compile_(build())
     logs = model.train_on_batch(x, y, return_dict=True)
@@ -145,14 +149,14 @@ def test_short_batch_loss_and_gradients_exact(digits):
 
 
 def test_weights_move_between_meshes_and_no_distribution(tmp_path, digits, single):
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     with model_parallel_map(mesh).scope():
         model = build(seed=1)
     model.set_weights(single[0].get_weights())
     path = str(tmp_path / "mp.weights.h5")
     model.save_weights(path)
-    # Another mesh, another layout.
-    other = klm.create_mesh([("batch", 2), ("model", 4)])
+    # Another mesh (a model axis twice as wide), another layout.
+    other = klm.create_mesh([("batch", DEVICES // 4), ("model", 4)])
     lm = klm.LayoutMap(other)
     lm[r"d.\.kernel"] = ("model", None)
     with lm.scope():
@@ -170,7 +174,7 @@ def test_weights_move_between_meshes_and_no_distribution(tmp_path, digits, singl
 
 
 def test_layer_kwargs_model_trains_with_fit(digits, single):
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)),
@@ -193,7 +197,7 @@ def test_custom_training_loop_with_pack(digits):
     metric, outside any scope."""
     import jax
 
-    mesh = klm.create_mesh([("batch", 8)])
+    mesh = dp_mesh()
     x, y = digits[0][:512], digits[1][:512]
     image_layout = klm.Layout.batch_sharded(mesh, "batch", rank=2)
     label_layout = klm.Layout.batch_sharded(mesh, "batch", rank=1)
@@ -213,8 +217,8 @@ def test_custom_training_loop_with_pack(digits):
         for start in range(0, len(x), 128):
             xb, yb = x[start:start + 128], y[start:start + 128]
             if pack:
-                xb = klm.pack(np.split(xb, 8), image_layout)
-                yb = klm.pack(np.split(yb, 8), label_layout)
+                xb = klm.pack(np.split(xb, DEVICES), image_layout)
+                yb = klm.pack(np.split(yb, DEVICES), label_layout)
             (_, (logits, ntv)), grads = grad_fn(tv, ntv, xb, yb)
             tv, ov = optimizer.stateless_apply(ov, grads, tv)
             metric.update_state(yb, logits)
@@ -276,7 +280,7 @@ def test_batchnorm_dropout_dict_inputs_and_data_sources(digits, source):
 
     reference = build_two_inputs()
     ref_history = reference.fit(data(), epochs=2, verbose=0).history
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
+    mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"bn\..*"] = ("model",)
