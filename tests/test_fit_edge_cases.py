@@ -344,13 +344,14 @@ def test_mixed_precision(kind, mixed_policy, digits):
     # the half type in between: float16 keeps 11 significant bits (one
     # rounding ~5e-4 relative), bfloat16 only 8 (~4e-3). Ten SGD steps of
     # lr 0.1 carry these into the float32 weights (measured worst case:
-    # 8e-4 for float16, 1.8e-3 for bfloat16, TensorFlow); the tolerances
-    # leave a factor of ~3. The loss, a mean over 64 rows, drifts far less
+    # 8e-4 for float16, 1.8e-3 for bfloat16, TensorFlow; 5.4e-3 for
+    # bfloat16 on torch, 4 processes); the tolerances leave a factor of
+    # ~1.5-3. The loss, a mean over 64 rows, drifts far less
     # (measured <= 2e-5 relative). Accuracy counts argmaxes: a near-tie among
     # the logits can flip a few of the 590 rows (measured: 6 in bfloat16).
     weight_atol, loss_rtol, accuracy_atol = {
         "mixed_float16": (2.5e-3, 1e-4, 5 / ROWS),
-        "mixed_bfloat16": (5e-3, 1e-4, 15 / ROWS),
+        "mixed_bfloat16": (8e-3, 1e-4, 15 / ROWS),
     }[mixed_policy]
     assert history.keys() == ref_history.keys()
     for key in history:

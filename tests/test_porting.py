@@ -106,7 +106,8 @@ def test_variable_made_from_a_mesh_value_keeps_its_layout_and_trains(mesh):
 
     # The same step on one device.
     reference = keras.Variable(init)
-    keras.optimizers.Adam(0.1).apply_gradients([(grad, reference)])
+    keras.optimizers.Adam(0.1).apply_gradients(
+        [(keras.ops.convert_to_tensor(grad), reference)])
     np.testing.assert_allclose(keras.ops.convert_to_numpy(variable),
                                keras.ops.convert_to_numpy(reference), rtol=1e-6)
     assert not np.allclose(keras.ops.convert_to_numpy(variable), init)

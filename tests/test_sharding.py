@@ -32,7 +32,7 @@ def host(x):
     by a relayout to replicated, then one device's copy."""
     layout = klm.fetch_layout(x)
     whole = klm.distribute(x, klm.Layout.replicated(layout.mesh, layout.rank))
-    return np.asarray(klm.unpack(whole)[0])
+    return keras.ops.convert_to_numpy(klm.unpack(whole)[0])
 
 
 class Tutorial(keras.Model):
@@ -105,8 +105,8 @@ def test_sublayers_made_in_build_follow_the_rules(mesh, build_inside):
         assert klm.fetch_layout(variables[row.path]) == row.layout, row.path
     keras.utils.set_random_seed(0)
     reference = Attention()
-    np.testing.assert_allclose(host(out), np.asarray(reference(x)), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(host(out), keras.ops.convert_to_numpy(reference(x)),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_functional_and_sequential_scope(mesh):

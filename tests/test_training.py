@@ -82,13 +82,16 @@ def single(digits):
 def test_plain_keras_data_parallel_crashes_on_the_short_batch(digits):
     """The gap this project closes (keras 3.15.1). On JAX Keras' own data
     layout fails; on TensorFlow, where Keras has no distribution of its own,
-    ours places the stock distribution's layouts and says why it cannot."""
+    ours places the stock distribution's layouts and says why it cannot; on
+    torch, across processes, Keras' own data handling wants a tf.data
+    dataset."""
     dist = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
     with dist.scope():
         model = build()
         with pytest.raises(
                 Exception,
-                match="should evenly divide|cannot be split over mesh axis 'batch'"):
+                match="should evenly divide|cannot be split over mesh axis "
+                "'batch'|the data must be provided as a `tf.data.Dataset`"):
             train(model, digits)
 
 
