@@ -27,15 +27,26 @@ one epoch of `--skip` dropped warm-up steps plus `--steps` timed steps. A klm
 step is timed in a callback's `on_train_batch_begin` / `on_train_batch_end`
 (Keras' whole step: packing the batch, forward, backward, the gradient
 all-reduce DTensor inserts, Adam, the loss tracker, the logs); a DDP step
-from slicing the batch to `optimizer.step()` and `loss.item()`. At the end
-the script prints the largest difference of the klm model's weights from
-the same Keras model trained with no distribution on the same batches
-(float rounding) and from the DDP model's (the two Adams differ: Keras adds
-epsilon to sqrt(v) before bias correction, torch after, which matters where
-gradients are tiny).
+from slicing the batch to `optimizer.step()` and `loss.item()`. Besides the
+wall time, process 0's CPU time per step (`time.process_time()`, all its
+threads) is reported: with 4 processes on fewer cores, a step's wall time
+is mostly waiting for the other processes' CPU work at each collective.
+
+Checks: the first epoch's mean loss of the klm model against the same Keras
+model trained one epoch with no distribution on the same batches (equal to
+float rounding), and the largest difference of the klm model's weights
+after that epoch from that model's and from the DDP model's. The weights
+agree to float rounding until a ReLU unit's pre-activation sits within
+rounding of 0 for a sample (the runs then differ on that sample, and Adam,
+which normalises every update, carries it on: ~1e-2 a few dozen steps
+later); against DDP they differ
+anyway, as Keras' Adam adds epsilon to sqrt(v) before bias correction and
+torch's after, which matters where gradients are tiny.
 
 With `--profile N`, process 0 also runs N more klm steps under cProfile and
-prints the functions that take the most time (cumulative and own).
+prints the functions that take the most time (cumulative and own): CPU
+time by default (`--profile-clock wall` for wall time, where waiting at a
+collective for the other processes shows up inside the collective).
 
 Goal: median step time klm / DDP <= 1.2.
 
@@ -56,23 +67,6 @@ FEATURES, HIDDEN, CLASSES = 64, 512, 10
 GLOBAL_BATCH = 256
 SEED = 0
 GOAL = 1.2
-
-
-def build_keras(keras):
-    keras.utils.set_random_seed(SEED)
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN, activation="relu", name="d0"),
-            keras.layers.Dense(HIDDEN, activation="relu", name="d1"),
-            keras.layers.Dense(CLASSES, name="head"),
-        ],
-        name="mlp",
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
 
 
 def build_torch(torch, keras_model):
@@ -105,7 +99,7 @@ def worker(args):
     import numpy as np
     import torch
     import torch.distributed as dist
-    from common import StepTimer
+    from common import StepTimer, build_mlp
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,7 +109,7 @@ def worker(args):
     y = rng.integers(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
 
     with klm.DataParallel(klm.create_mesh([("batch", PROCESSES)])).scope():
-        model = build_keras(keras)
+        model = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
     kernel = model.get_layer("d0").kernel
     local_shape = tuple(klm.unpack(kernel)[0].shape)
     placement = (f"{type(kernel.value).__name__} {klm.fetch_layout(kernel)}, "
@@ -128,51 +122,82 @@ def worker(args):
     local = GLOBAL_BATCH // world
     xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype("int64"))
 
+    class CpuTimer(StepTimer):
+        """Also the process's CPU time in each step (all its threads)."""
+
+        def __init__(self):
+            super().__init__()
+            self.cpu = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._cpu = time.process_time()
+            super().on_train_batch_begin(batch, logs)
+
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+            self.cpu.append(time.process_time() - self._cpu)
+
     def fit_klm():
-        timer = StepTimer()
+        timer = CpuTimer()
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                             shuffle=False, verbose=0, callbacks=[timer])
-        return timer.times, history.history["loss"][-1]
+        return timer.times, timer.cpu, history.history["loss"][0]
 
     def fit_ddp():
-        times = []
+        times, cpu = [], []
         for i in range(steps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             rows = slice(i * GLOBAL_BATCH + rank * local,
                          i * GLOBAL_BATCH + (rank + 1) * local)
             optimizer.zero_grad()
             loss = loss_fn(ddp(xt[rows]), yt[rows])
             loss.backward()
             optimizer.step()
-            value = loss.item()
+            loss.item()
             times.append(time.perf_counter() - start)
-        return times, value
+            cpu.append(time.process_time() - start_cpu)
+        return times, cpu, None
 
-    times = {"klm": [], "ddp": []}
-    first = {}
+    def ddp_weights():
+        found = []
+        for linear in (m for m in net if isinstance(m, torch.nn.Linear)):
+            found += [linear.weight.detach().numpy().T.copy(),
+                      linear.bias.detach().numpy().copy()]
+        return found
+
+    times, cpu = {"klm": [], "ddp": []}, {"klm": [], "ddp": []}
+    first, after_one_epoch, first_loss = {}, {}, None
     for i in range(args.rounds):
         order = ("klm", "ddp") if i % 2 == 0 else ("ddp", "klm")
         for name in order:
-            step_times, _ = (fit_klm if name == "klm" else fit_ddp)()
+            step_times, cpu_times, loss = (
+                fit_klm if name == "klm" else fit_ddp)()
             first.setdefault(name, step_times[0])
             times[name].extend(step_times[args.skip:])
+            cpu[name].extend(cpu_times[args.skip:])
+            if i == 0:  # weights after one epoch, for the check below
+                first_loss = loss if name == "klm" else first_loss
+                after_one_epoch[name] = (
+                    [w.numpy().copy() for w in model.weights]
+                    if name == "klm" else ddp_weights())
 
-    # The same model with no distribution, trained on the same batches
-    # (each process trains its own copy, outside the timing): klm must
-    # equal it to float rounding.
-    single = build_keras(keras)
-    for _ in range(args.rounds):
-        single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
-                   verbose=0)
-    klm_weights = [w.numpy() for w in model.weights]
-    single_diff = max(float(np.abs(a - w.numpy()).max())
-                      for a, w in zip(klm_weights, single.weights))
-    ddp_weights = []
-    for linear in (m for m in net if isinstance(m, torch.nn.Linear)):
-        ddp_weights += [linear.weight.detach().numpy().T,
-                        linear.bias.detach().numpy()]
-    ddp_diff = max(float(np.abs(a - b).max())
-                   for a, b in zip(klm_weights, ddp_weights))
+    # The same model with no distribution, trained one epoch on the same
+    # batches (each process its own copy, outside the timing): klm must
+    # give the same losses, and weights equal to float rounding unless a
+    # ReLU unit's pre-activation sits within rounding of 0 for a sample:
+    # the two runs then take that sample through the unit differently, and
+    # Adam (which normalises each update) carries the difference on.
+    single = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
+    single_loss = single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
+                             shuffle=False, verbose=0).history["loss"][0]
+
+    def largest_difference(a, b):
+        return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
+
+    single_diff = largest_difference(
+        after_one_epoch["klm"], [w.numpy() for w in single.weights])
+    ddp_diff = largest_difference(after_one_epoch["klm"],
+                                  after_one_epoch["ddp"])
 
     profile = None
     if args.profile:
@@ -180,7 +205,8 @@ def worker(args):
         # profiles them.
         px = x[: args.profile * GLOBAL_BATCH]
         py = y[: args.profile * GLOBAL_BATCH]
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(
+            time.process_time if args.profile_clock == "cpu" else time.perf_counter)
         if rank == 0:
             profiler.enable()
         model.fit(px, py, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
@@ -202,8 +228,11 @@ def worker(args):
             "first_ms": {k: v * 1e3 for k, v in first.items()},
             "median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
             "mean_ms": {k: statistics.fmean(v) * 1e3 for k, v in times.items()},
+            "cpu_ms": {k: statistics.median(v) * 1e3 for k, v in cpu.items()},
             "steps": {k: len(v) for k, v in times.items()},
             "single_diff": single_diff,
+            "first_loss": first_loss,
+            "single_loss": single_loss,
             "ddp_diff": ddp_diff,
             "profile": profile,
         }
@@ -221,6 +250,9 @@ def main():
                         help="rounds, each one epoch of each run (default 4)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then profile N klm steps on process 0")
+    parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
+                        help="cProfile's clock: CPU time of process 0 (default; "
+                        "waits at collectives cost nothing) or wall time")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -243,7 +275,8 @@ def main():
                    str(PROCESSES), "--log-dir", tmp, os.path.abspath(__file__),
                    "--worker", "--out", out, "--steps", str(args.steps),
                    "--skip", str(args.skip), "--rounds", str(args.rounds),
-                   "--profile", str(args.profile)]
+                   "--profile", str(args.profile),
+                   "--profile-clock", args.profile_clock]
         done = subprocess.run(command, env=env, timeout=900, check=False)
         if done.returncode != 0:
             raise SystemExit(f"the worker processes failed ({done.returncode})")
@@ -258,29 +291,37 @@ def main():
         f"{GLOBAL_BATCH}; OMP_NUM_THREADS=1 per process, {cores} cores; "
         f"{args.rounds} rounds x {args.steps} timed steps"))
     for column in ("run", "first step (ms)", "median step (ms)",
-                   "mean step (ms)", "timed steps"):
+                   "mean step (ms)", "CPU per step, process 0 (ms)",
+                   "timed steps"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for key, label in (("klm", "klm.DataParallel + model.fit"),
                        ("ddp", "torch DistributedDataParallel")):
         table.add_row(label, f"{r['first_ms'][key]:.1f}",
                       f"{r['median_ms'][key]:.2f}", f"{r['mean_ms'][key]:.2f}",
-                      str(r["steps"][key]))
+                      f"{r['cpu_ms'][key]:.2f}", str(r["steps"][key]))
     console.print(table)
     ratio = r["median_ms"]["klm"] / r["median_ms"]["ddp"]
     console.print(
         f"klm / DDP, median step: {ratio:.2f} (goal <= {GOAL}: "
         f"{'met' if ratio <= GOAL else 'NOT met'})")
     console.print(
-        f"largest weight difference after {args.rounds} epochs each: klm vs "
+        f"mean loss of the first epoch: klm {r['first_loss']:.7f}, the same "
+        f"Keras model on 1 device {r['single_loss']:.7f}")
+    console.print(
+        f"largest weight difference after one epoch ({args.skip + args.steps} "
+        "steps): klm vs "
         f"the same Keras model on 1 device {r['single_diff']:.1e}; klm vs DDP "
         f"{r['ddp_diff']:.1e} (Keras' Adam adds epsilon to sqrt(v) before "
         "bias correction, torch's after: they differ where gradients are "
         "tiny)")
     console.print(f"d0.kernel: {r['placement']}; torch {r['torch']}, keras "
                   f"{r['keras']}, {r['threads']} torch thread(s) per process")
-    console.print(f"(measured in {wall:.0f} s)")
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    console.print(f"(measured in {wall:.0f} s; load average at the end "
+                  f"{load} on {cores} cores)")
     if r["profile"]:
-        console.print(f"cProfile of process 0, {args.profile} klm steps:")
+        console.print(f"cProfile of process 0, {args.profile} klm steps, "
+                      f"{args.profile_clock} time:")
         print(r["profile"])
 
 
