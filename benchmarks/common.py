@@ -23,10 +23,10 @@ class StepTimer(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def build_mlp(seed, features, hidden, classes):
+def build_mlp(seed, features, hidden, classes, metrics=("accuracy",)):
     """Dense `features -> hidden -> hidden -> classes` (layers `d0`, `d1`,
     `head`), compiled with Adam 1e-3, sparse cross-entropy from logits and
-    accuracy."""
+    `metrics` (accuracy unless told)."""
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [
@@ -40,6 +40,6 @@ def build_mlp(seed, features, hidden, classes):
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+        metrics=list(metrics),
     )
     return model

@@ -1,0 +1,328 @@
+"""Data-parallel `fit` on 4 processes: keras-layoutmap on the torch backend
+against the same model in plain torch `DistributedDataParallel` (gloo).
+
+The script is the launcher's parent: it starts itself once per process with
+`python -m keras_layoutmap.launch -n 4 benchmarks/torch_ddp.py --worker`,
+every process with `KERAS_BACKEND=torch` and `OMP_NUM_THREADS=1`, and
+prints what process 0 measured. In those 4 processes:
+
+- **klm**: `klm.configure_virtual_devices(4)` joins the gloo process group;
+  the MLP (Dense 64 -> 512 -> 512 -> 10, Adam 1e-3, sparse categorical
+  cross-entropy from logits, no metric) is built and compiled under
+  `klm.DataParallel(klm.create_mesh([("batch", 4)]))`: its weights are
+  replicated DTensor parameters, and `model.fit` on numpy arrays (every
+  process passes the same global data) packs each global batch of 256 onto
+  the mesh, each process keeping its quarter;
+- **DDP**: the same model in plain torch (`nn.Sequential` of `Linear` /
+  `ReLU`, the same sizes, `torch.optim.Adam(lr=1e-3, eps=1e-7)` as Keras',
+  `nn.CrossEntropyLoss`), starting from the klm model's initial weights,
+  wrapped in `torch.nn.parallel.DistributedDataParallel` over the same gloo
+  process group; each step each process takes its quarter of the same
+  global batch of 256 (the rows DTensor's `Shard(0)` gives it), so both
+  runs train on the same data in the same order.
+
+The two runs alternate in the same processes for `--rounds` rounds (the
+order flipping each round), so machine noise hits both alike; each round is
+one epoch of `--skip` dropped warm-up steps plus `--steps` timed steps. A klm
+step is timed in a callback's `on_train_batch_begin` / `on_train_batch_end`
+(Keras' whole step: packing the batch, forward, backward, the gradient
+all-reduce DTensor inserts, Adam, the loss tracker, the logs); a DDP step
+from slicing the batch to `optimizer.step()` and `loss.item()`. Besides the
+wall time, process 0's CPU time per step (`time.process_time()`, all its
+threads) is reported: with 4 processes on fewer cores, a step's wall time
+is mostly waiting for the other processes' CPU work at each collective.
+
+Checks: the first epoch's mean loss of the klm model against the same Keras
+model trained one epoch with no distribution on the same batches (equal to
+float rounding), and the largest difference of the klm model's weights
+after that epoch from that model's and from the DDP model's. The weights
+agree to float rounding until a ReLU unit's pre-activation sits within
+rounding of 0 for a sample (the runs then differ on that sample, and Adam,
+which normalises every update, carries it on: ~1e-2 a few dozen steps
+later); against DDP they differ
+anyway, as Keras' Adam adds epsilon to sqrt(v) before bias correction and
+torch's after, which matters where gradients are tiny.
+
+With `--profile N`, process 0 also runs N more klm steps under cProfile and
+prints the functions that take the most time (cumulative and own): CPU
+time by default (`--profile-clock wall` for wall time, where waiting at a
+collective for the other processes shows up inside the collective).
+
+Goal: median step time klm / DDP <= 1.2.
+
+Run: python benchmarks/torch_ddp.py [--steps 40] [--rounds 4] [--profile 20]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROCESSES = 4
+FEATURES, HIDDEN, CLASSES = 64, 512, 10
+GLOBAL_BATCH = 256
+SEED = 0
+GOAL = 1.2
+
+
+def build_torch(torch, keras_model):
+    """The same MLP in plain torch, holding the Keras model's weights
+    (a Keras kernel is (in, out), a torch Linear weight (out, in))."""
+    layers = []
+    for name in ("d0", "d1", "head"):
+        dense = keras_model.get_layer(name)
+        kernel, bias = (w.numpy() for w in dense.weights)
+        linear = torch.nn.Linear(*kernel.shape)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(kernel.T.copy()))
+            linear.bias.copy_(torch.from_numpy(bias))
+        layers.append(linear)
+        if name != "head":
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def worker(args):
+    import cProfile
+    import io
+    import pstats
+
+    import keras_layoutmap as klm
+
+    klm.configure_virtual_devices(PROCESSES)
+
+    import keras
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from common import StepTimer, build_mlp
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = args.skip + args.steps
+    rng = np.random.default_rng(SEED)
+    x = rng.random((steps * GLOBAL_BATCH, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
+
+    with klm.DataParallel(klm.create_mesh([("batch", PROCESSES)])).scope():
+        model = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
+    kernel = model.get_layer("d0").kernel
+    local_shape = tuple(klm.unpack(kernel)[0].shape)
+    placement = (f"{type(kernel.value).__name__} {klm.fetch_layout(kernel)}, "
+                 f"local {local_shape}")
+
+    net = build_torch(torch, model)
+    ddp = DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3, eps=1e-7)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    local = GLOBAL_BATCH // world
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype("int64"))
+
+    class CpuTimer(StepTimer):
+        """Also the process's CPU time in each step (all its threads)."""
+
+        def __init__(self):
+            super().__init__()
+            self.cpu = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._cpu = time.process_time()
+            super().on_train_batch_begin(batch, logs)
+
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+            self.cpu.append(time.process_time() - self._cpu)
+
+    def fit_klm():
+        timer = CpuTimer()
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
+                            shuffle=False, verbose=0, callbacks=[timer])
+        return timer.times, timer.cpu, history.history["loss"][0]
+
+    def fit_ddp():
+        times, cpu = [], []
+        for i in range(steps):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            rows = slice(i * GLOBAL_BATCH + rank * local,
+                         i * GLOBAL_BATCH + (rank + 1) * local)
+            optimizer.zero_grad()
+            loss = loss_fn(ddp(xt[rows]), yt[rows])
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        return times, cpu, None
+
+    def ddp_weights():
+        found = []
+        for linear in (m for m in net if isinstance(m, torch.nn.Linear)):
+            found += [linear.weight.detach().numpy().T.copy(),
+                      linear.bias.detach().numpy().copy()]
+        return found
+
+    times, cpu = {"klm": [], "ddp": []}, {"klm": [], "ddp": []}
+    first, after_one_epoch, first_loss = {}, {}, None
+    for i in range(args.rounds):
+        order = ("klm", "ddp") if i % 2 == 0 else ("ddp", "klm")
+        for name in order:
+            step_times, cpu_times, loss = (
+                fit_klm if name == "klm" else fit_ddp)()
+            first.setdefault(name, step_times[0])
+            times[name].extend(step_times[args.skip:])
+            cpu[name].extend(cpu_times[args.skip:])
+            if i == 0:  # weights after one epoch, for the check below
+                first_loss = loss if name == "klm" else first_loss
+                after_one_epoch[name] = (
+                    [w.numpy().copy() for w in model.weights]
+                    if name == "klm" else ddp_weights())
+
+    # The same model with no distribution, trained one epoch on the same
+    # batches (each process its own copy, outside the timing): klm must
+    # give the same losses, and weights equal to float rounding unless a
+    # ReLU unit's pre-activation sits within rounding of 0 for a sample:
+    # the two runs then take that sample through the unit differently, and
+    # Adam (which normalises each update) carries the difference on.
+    single = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
+    single_loss = single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
+                             shuffle=False, verbose=0).history["loss"][0]
+
+    def largest_difference(a, b):
+        return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
+
+    single_diff = largest_difference(
+        after_one_epoch["klm"], [w.numpy() for w in single.weights])
+    ddp_diff = largest_difference(after_one_epoch["klm"],
+                                  after_one_epoch["ddp"])
+
+    profile = None
+    if args.profile:
+        # Every process runs the steps (they are collective); process 0
+        # profiles them.
+        px = x[: args.profile * GLOBAL_BATCH]
+        py = y[: args.profile * GLOBAL_BATCH]
+        profiler = cProfile.Profile(
+            time.process_time if args.profile_clock == "cpu" else time.perf_counter)
+        if rank == 0:
+            profiler.enable()
+        model.fit(px, py, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+        if rank == 0:
+            profiler.disable()
+            out = io.StringIO()
+            stats = pstats.Stats(profiler, stream=out)
+            stats.sort_stats("cumulative").print_stats(35)
+            stats.sort_stats("tottime").print_stats(25)
+            profile = out.getvalue()
+
+    if rank == 0:
+        result = {
+            "placement": placement,
+            "torch": torch.__version__,
+            "keras": keras.__version__,
+            "threads": torch.get_num_threads(),
+            "first_ms": {k: v * 1e3 for k, v in first.items()},
+            "median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+            "mean_ms": {k: statistics.fmean(v) * 1e3 for k, v in times.items()},
+            "cpu_ms": {k: statistics.median(v) * 1e3 for k, v in cpu.items()},
+            "steps": {k: len(v) for k, v in times.items()},
+            "single_diff": single_diff,
+            "first_loss": first_loss,
+            "single_loss": single_loss,
+            "ddp_diff": ddp_diff,
+            "profile": profile,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40,
+                        help="timed steps per round (default 40)")
+    parser.add_argument("--skip", type=int, default=3,
+                        help="warm-up steps dropped per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds, each one epoch of each run (default 4)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N klm steps on process 0")
+    parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
+                        help="cProfile's clock: CPU time of process 0 (default; "
+                        "waits at collectives cost nothing) or wall time")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(
+                   p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                   str(PROCESSES), "--log-dir", tmp, os.path.abspath(__file__),
+                   "--worker", "--out", out, "--steps", str(args.steps),
+                   "--skip", str(args.skip), "--rounds", str(args.rounds),
+                   "--profile", str(args.profile),
+                   "--profile-clock", args.profile_clock]
+        done = subprocess.run(command, env=env, timeout=900, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"the worker processes failed ({done.returncode})")
+        with open(out) as f:
+            r = json.load(f)
+    wall = time.perf_counter() - start
+
+    cores = os.cpu_count()
+    table = Table(title=(
+        f"data-parallel fit, {PROCESSES} processes x 1 CPU device (gloo), "
+        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, Adam, global batch "
+        f"{GLOBAL_BATCH}; OMP_NUM_THREADS=1 per process, {cores} cores; "
+        f"{args.rounds} rounds x {args.steps} timed steps"))
+    for column in ("run", "first step (ms)", "median step (ms)",
+                   "mean step (ms)", "CPU per step, process 0 (ms)",
+                   "timed steps"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for key, label in (("klm", "klm DataParallel fit"), ("ddp", "torch DDP")):
+        table.add_row(label, f"{r['first_ms'][key]:.1f}",
+                      f"{r['median_ms'][key]:.2f}", f"{r['mean_ms'][key]:.2f}",
+                      f"{r['cpu_ms'][key]:.2f}", str(r["steps"][key]))
+    console.print(table)
+    ratio = r["median_ms"]["klm"] / r["median_ms"]["ddp"]
+    console.print(
+        f"klm / DDP, median step: {ratio:.2f} (goal <= {GOAL}: "
+        f"{'met' if ratio <= GOAL else 'NOT met'})")
+    console.print(
+        f"mean loss of the first epoch: klm {r['first_loss']:.7f}, the same "
+        f"Keras model on 1 device {r['single_loss']:.7f}")
+    console.print(
+        f"largest weight difference after one epoch ({args.skip + args.steps} "
+        "steps): klm vs "
+        f"the same Keras model on 1 device {r['single_diff']:.1e} (1e-7 until "
+        "a ReLU pre-activation sits within rounding of 0: see the docstring); "
+        f"klm vs DDP {r['ddp_diff']:.1e} (Keras' Adam adds epsilon to sqrt(v) "
+        "before bias correction, torch's after)")
+    console.print(f"d0.kernel: {r['placement']}; torch {r['torch']}, keras "
+                  f"{r['keras']}, {r['threads']} torch thread(s) per process")
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    console.print(f"(measured in {wall:.0f} s; load average at the end "
+                  f"{load} on {cores} cores)")
+    if r["profile"]:
+        console.print(f"cProfile of process 0, {args.profile} klm steps, "
+                      f"{args.profile_clock} time:")
+        print(r["profile"])
+
+
+if __name__ == "__main__":
+    main()
