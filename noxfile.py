@@ -126,6 +126,11 @@ def bench(session):
         session.run("python", f"benchmarks/{script}",
                     env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
     session.run("python", "benchmarks/backends.py")
+    # torch: 4 processes under the launcher (the scripts set KERAS_BACKEND
+    # and OMP_NUM_THREADS for their workers); backends_torch.py runs all three.
+    session.install(TORCH)
+    for script in ("torch_ddp.py", "torch_memory.py", "backends_torch.py"):
+        session.run("python", f"benchmarks/{script}")
 
 
 @nox.session(python=PYTHON)
