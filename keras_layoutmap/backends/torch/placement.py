@@ -41,6 +41,9 @@ def _rank_of(device):
 def to_device_mesh(mesh):
     """The `DeviceMesh` of a `klm.Mesh` (cached: making one is a collective
     every process must take part in)."""
+    found = getattr(mesh, "_klm_device_mesh", None)
+    if found is not None:
+        return found
     devices = tuple(str(d) for d in np.ravel(mesh.devices))
     key = (tuple(mesh.shape), tuple(mesh.axis_names), devices)
     found = _MESHES.get(key)
@@ -58,6 +61,10 @@ def to_device_mesh(mesh):
         found = DeviceMesh("cpu", ranks, mesh_dim_names=tuple(mesh.axis_names))
         _MESHES[key] = found
         _allow_plain_tensors()
+    try:
+        mesh._klm_device_mesh = found
+    except AttributeError:
+        pass
     return found
 
 
@@ -167,11 +174,8 @@ def _torch_value(x):
 
 
 def same_mesh(device_mesh, layout):
-    return (tuple(device_mesh.mesh.flatten().tolist())
-            == tuple(_rank_of(d) for d in np.ravel(layout.mesh.devices))
-            and tuple(device_mesh.mesh.shape) == tuple(layout.mesh.shape)
-            and tuple(device_mesh.mesh_dim_names or ())
-            == tuple(layout.mesh.axis_names))
+    return device_mesh is to_device_mesh(layout.mesh) or device_mesh == (
+        to_device_mesh(layout.mesh))
 
 
 def to_layout(value, layout):

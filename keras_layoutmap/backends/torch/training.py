@@ -14,6 +14,7 @@ own slice and the slices are gathered into the global batch first.
 
 import functools
 
+import torch
 from keras import distribution as keras_distribution
 from keras.src import tree
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -131,11 +132,60 @@ def wrap_make_function(original, attribute):
     return make_function
 
 
+def _summed_together(grads):
+    """Partial-sum gradients (DTensor's gradient of a weight replicated over
+    an axis that splits the batch) reduced with one all-reduce per mesh
+    axis for all of them, as DDP buckets its gradients, instead of one
+    each. `grads`: DTensors of one mesh, placements and dtype."""
+    first = grads[0]
+    mesh = first.device_mesh
+    flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+    for mesh_dim, place in enumerate(first.placements):
+        if isinstance(place, Partial):
+            torch.distributed.all_reduce(flat, group=mesh.get_group(mesh_dim))
+    target = [Replicate() if isinstance(p, Partial) else p
+              for p in first.placements]
+    result, start = [], 0
+    for g in grads:
+        local = g.to_local()
+        piece = flat[start:start + local.numel()].view(local.shape)
+        start += local.numel()
+        result.append(DTensor.from_local(piece, mesh, target, run_check=False,
+                                         shape=g.shape, stride=g.stride()))
+    return result
+
+
+def _sum_partial_gradients(pairs):
+    """Where a gradient differs from its weight's placements only by
+    partial sums (sum), reduce those gradients in buckets."""
+    buckets = {}
+    for index, (grad, variable) in enumerate(pairs):
+        value = getattr(variable, "_value", None)
+        if not (isinstance(grad, DTensor) and isinstance(value, DTensor)):
+            continue
+        places = tuple(grad.placements)
+        if places == tuple(value.placements):
+            continue
+        summed = tuple(Replicate() if isinstance(p, Partial) else p
+                       for p in places)
+        if summed != tuple(value.placements) or any(
+                isinstance(p, Partial) and p.reduce_op != "sum" for p in places):
+            continue
+        key = (id(grad.device_mesh), places, grad.dtype)
+        buckets.setdefault(key, []).append(index)
+    pairs = list(pairs)
+    for indices in buckets.values():
+        reduced = _summed_together([pairs[i][0] for i in indices])
+        for i, grad in zip(indices, reduced):
+            pairs[i] = (grad, pairs[i][1])
+    return pairs
+
+
 def gradients_like_weights(grads_and_vars):
     """Gradients of DTensor weights laid out like their weight (DTensor
     leaves the gradient of a replicated weight as partial sums)."""
     result = []
-    for grad, variable in grads_and_vars:
+    for grad, variable in _sum_partial_gradients(grads_and_vars):
         value = getattr(variable, "_value", None)
         if isinstance(grad, DTensor) and isinstance(value, DTensor):
             if tuple(grad.placements) != tuple(value.placements):
