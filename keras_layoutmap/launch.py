@@ -67,8 +67,8 @@ def main(argv=None):
         help="run the target as a module, as `python -m TARGET` does (e.g. "
         "`-m pytest tests`)")
     parser.add_argument("script", metavar="target",
-                        help="the Python script (or, with -m, module) each "
-                        "process runs")
+                        help="the Python script each process runs (with -m, "
+                        "a module)")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="...",
         help="arguments passed on to the script unchanged")
