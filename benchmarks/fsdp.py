@@ -33,16 +33,27 @@ JAX: weights + Adam 57.026 -> 7.151 MiB per device (0.125), step 552.7 ->
 
 Run: KERAS_BACKEND=jax python benchmarks/fsdp.py
      KERAS_BACKEND=tensorflow python benchmarks/fsdp.py
+     KERAS_BACKEND=torch python benchmarks/fsdp.py   # starts itself as 4
+                                                     # processes, one device each
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+TORCH = os.environ["KERAS_BACKEND"] == "torch"
+if TORCH and "WORLD_SIZE" not in os.environ:
+    # A torch mesh spans processes: run this script as 4 of them.
+    sys.exit(subprocess.call(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "4", __file__],
+        env=dict(os.environ, OMP_NUM_THREADS="1")))
 
 import keras_layoutmap as klm  # noqa: E402
 
-klm.configure_virtual_devices(8)
+DEVICES = int(os.environ["WORLD_SIZE"]) if TORCH else 8
+klm.configure_virtual_devices(DEVICES)
 
 import gc  # noqa: E402
 import statistics  # noqa: E402
@@ -57,7 +68,6 @@ from rich.table import Table  # noqa: E402
 CONFIG = dict(vocabulary_size=4096, num_layers=4, num_query_heads=4,
               num_key_value_heads=2, hidden_dim=256, intermediate_dim=2048,
               head_dim=64)
-DEVICES = 8
 MIN_BYTES = 64 * 1024
 BATCH, SEQUENCE = 32, 32
 WARMUP, STEPS = 3, 12
@@ -99,6 +109,8 @@ def shard_info(shard):
     if hasattr(shard, "devices"):  # JAX
         (device,) = shard.devices()
         return f"{device.platform}:{device.id}", shard.nbytes
+    if TORCH:  # this process's DTensor piece
+        return f"cpu:{klm.process_index()}", shard.numel() * shard.element_size()
     return shard.device, shard.shape.num_elements() * shard.dtype.size
 
 
@@ -107,6 +119,14 @@ def busiest_device_bytes(variables):
     for variable in variables:
         for device, nbytes in map(shard_info, klm.unpack(variable)):
             per_device[device] += nbytes
+    if TORCH and klm.process_count() > 1:  # each process knows its own piece
+        import torch.distributed as dist
+
+        everyone = [None] * klm.process_count()
+        dist.all_gather_object(everyone, dict(per_device))
+        per_device = Counter()
+        for counts in everyone:
+            per_device.update(counts)
     return max(per_device.values(), default=0)
 
 
@@ -148,6 +168,8 @@ def main():
                                  min_bytes=MIN_BYTES).scope()),
     ]
     dp, fsdp = results
+    if klm.process_index() != 0:
+        return
     table = Table(
         title=f"GemmaBackbone ({dp['params'] / 1e6:.2f} M params, "
         f"{CONFIG['num_layers']} layers, hidden {CONFIG['hidden_dim']}) + "
