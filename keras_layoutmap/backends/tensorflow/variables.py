@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow.initialization import born_sharded
 from keras_layoutmap.backends.tensorflow.placement import (
     distribute,
     fetch_layout,
@@ -70,9 +71,12 @@ def wrap_initialize(original):
         layout = as_layout(self._layout)
         if layout.mesh.size == 1:
             return original(self, value)  # one device: nothing to place
-        if callable(value):
-            with tf.init_scope():
-                value = value()
+        if callable(value):  # Keras' initializer call
+            made = born_sharded(value, layout)
+            if made is None:
+                with tf.init_scope():
+                    made = value()
+            value = made
         self._value = _make_dvariable(self, value, layout)
 
     return _initialize
