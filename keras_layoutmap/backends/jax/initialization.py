@@ -227,20 +227,20 @@ def _dim_axes(spec, rank):
     return axes
 
 
-def _block_plan(local):
+def _block_plan(local, block_elements):
     """`(split, block)`: the shard is walked one index at a time over the
     dimensions before `split`, and `block` indices at a time over `split`,
-    so that one block holds at most `BLOCK_ELEMENTS` elements (or one
+    so that one block holds at most `block_elements` elements (or one
     row of the trailing dimensions, if that is more)."""
     for split in range(len(local)):
         inner = math.prod(local[split + 1:])
-        if inner <= BLOCK_ELEMENTS:
-            return split, max(1, min(local[split], BLOCK_ELEMENTS // inner))
+        if inner <= block_elements:
+            return split, max(1, min(local[split], block_elements // inner))
     return len(local), 1
 
 
 @functools.lru_cache(maxsize=256)
-def _program(kind, shape, dtype, sharding):
+def _program(kind, shape, dtype, sharding, block_elements):
     """The jitted per-shard draw of `kind`, of `shape` and `dtype`, sharded
     by `sharding`. It takes the key data and two numbers, `a` and `b`
     (minval and maxval, or mean and stddev): arguments, not constants, as
@@ -251,7 +251,7 @@ def _program(kind, shape, dtype, sharding):
     parts = [math.prod(mesh.shape[a] for a in dim) for dim in axes]
     local = tuple(n // p for n, p in zip(shape, parts))
     strides = [math.prod(shape[d + 1:]) for d in range(rank)]
-    split, block = _block_plan(local)
+    split, block = _block_plan(local, block_elements)
     outer = local[:split]
     blocks = -(-local[split] // block) if split < rank else 1
     steps = math.prod(outer) * blocks
@@ -307,7 +307,8 @@ def _draw_sharded(draw, shape, dtype, sharding):
         a, b = draw.params.get("minval", 0.0), draw.params.get("maxval", 1.0)
     else:
         a, b = draw.params.get("mean", 0.0), draw.params.get("stddev", 1.0)
-    program = _program(draw.kind, tuple(shape), jnp.dtype(dtype), sharding)
+    program = _program(draw.kind, tuple(shape), jnp.dtype(dtype), sharding,
+                       BLOCK_ELEMENTS)
     return program(_key_data(draw.seed), a, b)
 
 

@@ -9,7 +9,10 @@ propagates that layout back to the ops that make the value (a random draw,
 `dtensor.call_with_layout` did. Random draws then come out other than on
 one device: DTensor's stateless random ops mix each device's position on
 the mesh into the seed. The numbers follow the same distribution, and the
-same seed gives the same numbers on the same mesh and layout. An initializer
+same seed gives the same numbers on the same mesh and layout. So that a
+model's small weights keep one device's values (parity with a model built
+on one device), only a weight of at least `MIN_BYTES` is made this way;
+smaller ones are drawn whole and split, as before. An initializer
 DTensor cannot run on a mesh (`Orthogonal`'s matrix ops have no layout
 propagation) falls back to the old path: drawn whole, then split.
 
@@ -20,7 +23,8 @@ Example:
 >>> mesh = klm.create_mesh([("model", 2)], devices=klm.list_devices()[:2])
 >>> layout = klm.Layout(["model", None], mesh)
 >>> init = keras.initializers.GlorotUniform(seed=7)
->>> value = born_sharded(lambda: init((6, 3), "float32"), layout)
+>>> value = born_sharded(lambda: init((6, 3), "float32"), layout, nbytes=72,
+...                      min_bytes=0)
 >>> klm.fetch_layout(value).sharding_specs
 ['model', 'unsharded']
 """
@@ -30,11 +34,17 @@ from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import to_dlayout
 
+# Weights smaller than this are drawn whole (one device's values).
+MIN_BYTES = 64 << 20
 
-def born_sharded(make_value, layout):
+
+def born_sharded(make_value, layout, nbytes, min_bytes=None):
     """`make_value()` (a function of no arguments: Keras' initializer call)
-    made on `layout`'s mesh, each device computing its shard; None when
-    DTensor cannot run it on the mesh (the caller then makes it whole)."""
+    made on `layout`'s mesh, each device computing its shard; None when the
+    weight (`nbytes`) is under `min_bytes` (default `MIN_BYTES`) or DTensor
+    cannot run it on the mesh: the caller then makes it whole."""
+    if nbytes < (MIN_BYTES if min_bytes is None else min_bytes):
+        return None
     dlayout = to_dlayout(layout)
 
     def on_mesh():

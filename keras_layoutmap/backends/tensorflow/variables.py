@@ -72,7 +72,8 @@ def wrap_initialize(original):
         if layout.mesh.size == 1:
             return original(self, value)  # one device: nothing to place
         if callable(value):  # Keras' initializer call
-            made = born_sharded(value, layout)
+            nbytes = int(np.prod(self._shape)) * tf.as_dtype(self._dtype).size
+            made = born_sharded(value, layout, nbytes)
             if made is None:
                 with tf.init_scope():
                     made = value()
