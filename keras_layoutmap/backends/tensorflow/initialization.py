@@ -29,13 +29,28 @@ Example:
 ['model', 'unsharded']
 """
 
+import threading
+
 import tensorflow as tf
+from keras.src.backend.tensorflow import random as keras_tf_random
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import to_dlayout
 
 # Weights smaller than this are drawn whole (one device's values).
 MIN_BYTES = 64 << 20
+_DRAWING = threading.Lock()
+
+
+def _draw_seed_once(original):
+    """Keras' `draw_seed`, run eagerly outside the function on the mesh: a
+    `SeedGenerator` advanced inside it would be advanced once per device."""
+
+    def draw_seed(seed):
+        with tf.init_scope():
+            return original(seed)
+
+    return draw_seed
 
 
 def born_sharded(make_value, layout, nbytes, min_bytes=None):
@@ -50,8 +65,13 @@ def born_sharded(make_value, layout, nbytes, min_bytes=None):
     def on_mesh():
         return dtensor.relayout(tf.convert_to_tensor(make_value()), dlayout)
 
-    try:
-        with tf.init_scope(), dtensor.default_mesh(dlayout.mesh):
-            return tf.function(on_mesh, autograph=False)()
-    except (tf.errors.OpError, ValueError, TypeError, NotImplementedError):
-        return None
+    original = keras_tf_random.draw_seed
+    with _DRAWING:
+        keras_tf_random.draw_seed = _draw_seed_once(original)
+        try:
+            with tf.init_scope(), dtensor.default_mesh(dlayout.mesh):
+                return tf.function(on_mesh, autograph=False)()
+        except (tf.errors.OpError, ValueError, TypeError, NotImplementedError):
+            return None
+        finally:
+            keras_tf_random.draw_seed = original
