@@ -2,8 +2,9 @@
 
 One concern a module: `placement` (devices, meshes, layouts, tensors,
 variables, host reads), `initialization` (weights born sharded),
-`training` (the trainer hooks) and `processes` (`jax.distributed`). This module is the backend interface (see
-`keras_layoutmap/backends/__init__.py`) and `install()`.
+`training` (the trainer hooks) and `processes` (`jax.distributed`). This
+module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
+and `install()`.
 """
 
 import keras.src.backend as keras_backend

@@ -356,9 +356,8 @@ def born_sharded(initializer, shape, dtype, sharding):
     constant = _constant(initializer)
     if constant is not None:
         return _filled(constant, shape, dtype, sharding)
-    call = getattr(initializer, "__call__", initializer)
     try:
-        takes_layout = "layout" in inspect.signature(call).parameters
+        takes_layout = "layout" in inspect.signature(initializer).parameters
     except (TypeError, ValueError):
         takes_layout = True
     if takes_layout:  # an initializer that places its own output
