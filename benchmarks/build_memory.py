@@ -7,7 +7,11 @@ the weight's size (issue: weights born sharded; goal <= 1.25, physical 1.0).
 Each case runs in a fresh process (peak RSS, `VmHWM`, is per process):
 
 - `klm`: an `Embedding` of `--gib` GiB built under `LayoutMap.scope()`,
-  its table sharded over 8 devices;
+  its table sharded over 8 devices: born sharded, each device making its
+  shard;
+- `klm whole`: the same, with the born-sharded path switched off (the
+  whole weight made, then split: keras-layoutmap before weights were born
+  sharded);
 - `keras`: the same with Keras' own `ModelParallel` (JAX only: Keras'
   TensorFlow distribution is not implemented);
 - `one device`: the same layer with no distribution;
@@ -44,7 +48,14 @@ if case == "rng only":
     value = jax.jit(lambda k: jax.random.uniform(k, (rows, dim)))(jax.random.key(0))
     value.block_until_ready()
 else:
-    if case == "klm":
+    if case == "klm whole":  # switch the born-sharded path off
+        if backend == "jax":
+            from keras_layoutmap.backends.jax import initialization
+            initialization.born_sharded = lambda *args, **kwargs: None
+        else:
+            from keras_layoutmap.backends.tensorflow import initialization
+            initialization.MIN_BYTES = float("inf")
+    if case in ("klm", "klm whole"):
         layout_map = klm.LayoutMap(klm.create_mesh([("model", 8)]))
         layout_map[r"emb\.embeddings"] = ("model", None)
         with layout_map.scope():
@@ -69,8 +80,8 @@ weight = rows * dim * 4 / 2**30
 print(f"{(peak_gib() - base) / weight:.2f} {seconds:.1f} {weight:.2f}")
 '''
 
-CASES = {"jax": ["klm", "keras", "one device", "rng only"],
-         "tensorflow": ["klm", "one device"]}
+CASES = {"jax": ["klm", "klm whole", "keras", "one device", "rng only"],
+         "tensorflow": ["klm", "klm whole", "one device"]}
 
 
 def installed(backend):

@@ -1,9 +1,10 @@
 """The JAX backend: `keras.distribution` on `jax.sharding` does the work.
 
 One concern a module: `placement` (devices, meshes, layouts, tensors,
-variables, host reads), `training` (the trainer hooks) and `processes`
-(`jax.distributed`). This module is the backend interface (see
-`keras_layoutmap/backends/__init__.py`) and `install()`.
+variables, host reads), `initialization` (weights born sharded),
+`training` (the trainer hooks) and `processes` (`jax.distributed`). This
+module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
+and `install()`.
 """
 
 import keras.src.backend as keras_backend
@@ -11,7 +12,7 @@ from keras.src.backend import jax as keras_jax
 from keras.src.backend.jax import core as keras_jax_core
 from keras.src.backend.jax import trainer as keras_jax_trainer
 
-from keras_layoutmap.backends.jax import placement, training
+from keras_layoutmap.backends.jax import initialization, placement, training
 from keras_layoutmap.backends.jax.placement import (  # noqa: F401
     configure_virtual_devices,
     distribute,
@@ -54,3 +55,7 @@ def install():
     keras_jax_core.JaxVariable._initialize = (
         placement.wrap_initialize_keeps_value_layout(
             keras_jax_core.JaxVariable._initialize))
+    # Weights made under a distribution are born sharded.
+    keras_jax_core.JaxVariable._initialize_with_initializer = (
+        initialization.wrap_initialize_with_initializer(
+            keras_jax_core.JaxVariable._initialize_with_initializer))

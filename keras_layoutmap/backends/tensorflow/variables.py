@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow.initialization import born_sharded
 from keras_layoutmap.backends.tensorflow.placement import (
     distribute,
     fetch_layout,
@@ -70,9 +71,13 @@ def wrap_initialize(original):
         layout = as_layout(self._layout)
         if layout.mesh.size == 1:
             return original(self, value)  # one device: nothing to place
-        if callable(value):
-            with tf.init_scope():
-                value = value()
+        if callable(value):  # Keras' initializer call
+            nbytes = int(np.prod(self._shape)) * tf.as_dtype(self._dtype).size
+            made = born_sharded(value, layout, nbytes)
+            if made is None:
+                with tf.init_scope():
+                    made = value()
+            value = made
         self._value = _make_dvariable(self, value, layout)
 
     return _initialize

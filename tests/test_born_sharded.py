@@ -1,0 +1,235 @@
+"""Weights born sharded: a weight made under a distribution is made on the
+mesh shard by shard, never whole on one device first. On JAX its values
+equal a one-device init with the same seed; on TensorFlow DTensor draws
+each shard from a seed of its own (docs/getting-started.md), so only the
+layout, the range and the constant initializers are compared there."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_layoutmap as klm
+
+pytestmark = pytest.mark.sharding
+
+JAX = keras.backend.backend() == "jax"
+
+
+@pytest.fixture(autouse=True)
+def _every_weight_born_sharded(monkeypatch):
+    # TensorFlow makes only weights of at least MIN_BYTES on the mesh (the
+    # smaller keep one device's values); here every weight is.
+    if not JAX:
+        from keras_layoutmap.backends.tensorflow import initialization
+
+        monkeypatch.setattr(initialization, "MIN_BYTES", 0)
+
+
+@pytest.fixture
+def mesh():
+    return klm.create_mesh([("batch", 4), ("model", 2)])
+
+
+def host(x):
+    layout = klm.fetch_layout(x)
+    whole = klm.distribute(x, klm.Layout.replicated(layout.mesh, layout.rank))
+    return np.asarray(klm.unpack(whole)[0])
+
+
+# name -> (a fresh initializer, (low, high) bounds of its values or None)
+INITIALIZERS = {
+    "random_uniform": (lambda: keras.initializers.RandomUniform(
+        -0.3, 0.7, seed=3), (-0.3, 0.7)),
+    "random_normal": (lambda: keras.initializers.RandomNormal(
+        0.1, 0.5, seed=4), None),
+    "truncated_normal": (lambda: keras.initializers.TruncatedNormal(
+        0.2, 2.0, seed=5), (0.2 - 4.0, 0.2 + 4.0)),
+    "glorot_uniform": (lambda: keras.initializers.GlorotUniform(seed=6),
+                       None),
+    "glorot_normal": (lambda: keras.initializers.GlorotNormal(seed=7), None),
+    "he_uniform": (lambda: keras.initializers.HeUniform(seed=8), None),
+    "he_normal": (lambda: keras.initializers.HeNormal(seed=9), None),
+    "lecun_normal": (lambda: keras.initializers.LecunNormal(seed=10), None),
+    "variance_scaling": (lambda: keras.initializers.VarianceScaling(
+        2.0, "fan_out", "untruncated_normal", seed=11), None),
+    "zeros": (keras.initializers.Zeros, (0.0, 0.0)),
+    "ones": (keras.initializers.Ones, (1.0, 1.0)),
+    "constant": (lambda: keras.initializers.Constant(0.25), (0.25, 0.25)),
+}
+CONSTANT = {"zeros", "ones", "constant"}
+# (shape, layout axes): rows, columns, both, and a 3-D kernel
+SHAPES = [((24, 10), ["model", None]), ((6, 16), [None, "model"]),
+          ((8, 6), ["batch", "model"]), ((3, 8, 10), [None, "batch", "model"])]
+
+
+def _whole_draws(monkeypatch):
+    """Record the shape of every random draw Keras makes concretely (a
+    value held in memory, not a trace for a compiled per-shard program)."""
+    from keras.src import backend
+
+    made = []
+
+    def spy(original):
+        def draw(shape, *args, **kwargs):
+            value = original(shape, *args, **kwargs)
+            try:
+                np.asarray(value)
+            except Exception:  # a tracer or a graph tensor: not made here
+                return value
+            made.append(tuple(shape))
+            return value
+
+        return draw
+
+    for kind in ("uniform", "normal", "truncated_normal"):
+        monkeypatch.setattr(backend.random, kind,
+                            spy(getattr(backend.random, kind)))
+    return made
+
+
+def _build(name, shape, axes, mesh, dtype="float32"):
+    layout_map = klm.LayoutMap(mesh)
+    layout_map[r"holder/w"] = tuple(axes)
+    make, _ = INITIALIZERS[name]
+
+    class Holder(keras.layers.Layer):
+        def build(self, _):
+            self.w = self.add_weight(shape=shape, initializer=make(),
+                                     dtype=dtype, name="w")
+
+    with layout_map.scope():
+        layer = Holder(name="holder")
+        layer.build(None)
+    return layer.w
+
+
+@pytest.mark.parametrize("shape,axes", SHAPES, ids=str)
+@pytest.mark.parametrize("name", sorted(INITIALIZERS))
+def test_values_and_layout(mesh, name, shape, axes, monkeypatch):
+    whole = _whole_draws(monkeypatch)
+    weight = _build(name, shape, axes, mesh)
+    assert whole == []  # no draw of the weight made whole
+    assert klm.fetch_layout(weight) == klm.Layout(axes, mesh)
+    value = host(weight)
+    one_device = np.asarray(INITIALIZERS[name][0]()(shape, "float32"))
+    if JAX or name in CONSTANT:
+        np.testing.assert_array_equal(value, one_device)
+    bounds = INITIALIZERS[name][1]
+    if bounds is not None:
+        assert bounds[0] <= value.min() and value.max() <= bounds[1]
+    if name not in CONSTANT:
+        assert np.unique(value).size > value.size // 2  # not one value
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["random_uniform", "random_normal",
+                                  "glorot_uniform", "truncated_normal"])
+def test_half_precision(mesh, name, dtype, monkeypatch):
+    whole = _whole_draws(monkeypatch)
+    weight = _build(name, (24, 10), ["model", None], mesh, dtype=dtype)
+    assert whole == []
+    assert keras.backend.standardize_dtype(weight.dtype) == dtype
+    value = host(weight).astype("float32")
+    one_device = np.asarray(
+        INITIALIZERS[name][0]()((24, 10), dtype)).astype("float32")
+    if JAX:
+        np.testing.assert_array_equal(value, one_device)
+    else:
+        assert np.abs(value).max() < 10
+
+
+@pytest.mark.skipif(not JAX, reason="JAX draws each shard in blocks; "
+                    "DTensor draws a shard whole")
+@pytest.mark.parametrize("block", [5, 7, 64, 1 << 20])
+@pytest.mark.parametrize("name", ["random_normal", "truncated_normal",
+                                  "glorot_uniform"])
+def test_blocks_that_do_and_do_not_divide_the_shard(mesh, name, block,
+                                                    monkeypatch):
+    from keras_layoutmap.backends.jax import initialization
+
+    monkeypatch.setattr(initialization, "BLOCK_ELEMENTS", block)
+    for shape, axes in SHAPES:
+        weight = _build(name, shape, axes, mesh)
+        np.testing.assert_array_equal(
+            host(weight), np.asarray(INITIALIZERS[name][0]()(shape, "float32")))
+
+
+def test_seed_generator_advances_as_on_one_device(mesh):
+    def make():
+        seed = keras.random.SeedGenerator(42)
+        return seed, keras.initializers.RandomNormal(seed=seed)
+
+    layout = klm.Layout(["model", None], mesh)
+    seed, init = make()
+    first = keras.Variable(init, shape=(8, 4), layout=layout)
+    second = keras.Variable(init, shape=(8, 4), layout=layout)
+    one_seed, one_init = make()
+    one_first = np.asarray(one_init((8, 4)))
+    one_second = np.asarray(one_init((8, 4)))
+    np.testing.assert_array_equal(np.asarray(seed.state.value),
+                                  np.asarray(one_seed.state.value))
+    assert not np.array_equal(host(first), host(second))
+    if JAX:
+        np.testing.assert_array_equal(host(first), one_first)
+        np.testing.assert_array_equal(host(second), one_second)
+
+
+def test_same_seed_same_values_on_the_same_layout(mesh):
+    a = _build("glorot_uniform", (24, 10), ["model", None], mesh)
+    b = _build("glorot_uniform", (24, 10), ["model", None], mesh)
+    np.testing.assert_array_equal(host(a), host(b))
+
+
+def test_layer_kwargs_and_set_distribution(mesh, monkeypatch):
+    whole = _whole_draws(monkeypatch)
+    kernel_layout = klm.Layout([None, "model"], mesh)
+    init = keras.initializers.GlorotNormal(seed=1)
+    dense = keras.layers.Dense(8, kernel_initializer=init,
+                               kernel_layout=kernel_layout)
+    dense.build((None, 12))
+    assert klm.fetch_layout(dense.kernel) == kernel_layout
+
+    layout_map = klm.LayoutMap(mesh)
+    layout_map[r".*embeddings"] = ("model", None)
+    klm.set_distribution(klm.ModelParallel(layout_map=layout_map,
+                                           batch_dim_name="batch"))
+    embedding = keras.layers.Embedding(
+        16, 4, embeddings_initializer=keras.initializers.RandomUniform(
+            seed=2))
+    embedding.build((None,))
+    klm.set_distribution(None)
+    assert klm.fetch_layout(embedding.embeddings) == klm.Layout(
+        ["model", None], mesh)
+    assert whole == []
+    if JAX:
+        np.testing.assert_array_equal(
+            host(dense.kernel),
+            np.asarray(keras.initializers.GlorotNormal(seed=1)((12, 8))))
+        np.testing.assert_array_equal(
+            host(embedding.embeddings),
+            np.asarray(keras.initializers.RandomUniform(seed=2)((16, 4))))
+
+
+def test_optimizer_slots_on_the_mesh(mesh):
+    layout = klm.Layout(["model", None], mesh)
+    weight = keras.Variable(keras.initializers.Ones(), shape=(8, 4),
+                            layout=layout)
+    optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
+    optimizer.build([weight])
+    for slot in optimizer.variables:
+        if tuple(slot.shape) == (8, 4):
+            assert klm.fetch_layout(slot) == layout
+            np.testing.assert_array_equal(host(slot), np.zeros((8, 4)))
+
+
+def test_an_initializer_not_covered_is_made_whole_then_split(mesh):
+    # Orthogonal needs the whole matrix (a QR factorisation): Keras' own
+    # path, values equal to one device on every backend.
+    weight = keras.Variable(keras.initializers.Orthogonal(seed=3),
+                            shape=(8, 6),
+                            layout=klm.Layout(["model", None], mesh))
+    assert klm.fetch_layout(weight) == klm.Layout(["model", None], mesh)
+    np.testing.assert_allclose(
+        host(weight),
+        np.asarray(keras.initializers.Orthogonal(seed=3)((8, 6))),
+        rtol=1e-6, atol=1e-6)
