@@ -10,7 +10,13 @@ import pytest
 
 import keras_layoutmap as klm
 
-pytestmark = pytest.mark.sharding
+pytestmark = [
+    pytest.mark.sharding,
+    pytest.mark.skipif(
+        keras.backend.backend() == "torch",
+        reason="not built on torch: each process makes the whole weight, then "
+        "keeps its piece (docs/torch.md)"),
+]
 
 JAX = keras.backend.backend() == "jax"
 
