@@ -28,7 +28,7 @@ from keras_layoutmap.backends.torch.placement import (
 )
 
 
-def check_mesh(x, device_mesh, whose, mesh=None):
+def check_mesh(x, device_mesh, whose):
     """A DTensor input must be on `device_mesh`."""
     if x.device_mesh != device_mesh:
         raise ValueError(
@@ -38,6 +38,9 @@ def check_mesh(x, device_mesh, whose, mesh=None):
             "mesh, 'batch', rank))), or pass host data and let the "
             "distribution place it."
         )
+
+
+_IN_STEP = [False]  # set while a step made by wrap_make_function runs
 
 
 def _reduced(x):
@@ -55,7 +58,9 @@ def wrap_model_call(original):
 
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
-        inputs = [x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
+        # Inside fit & co. the batches were placed (and checked) already.
+        inputs = [] if _IN_STEP[0] else [
+            x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
         if inputs:
             mesh = next((v._value.device_mesh for v in self.variables
                          if isinstance(getattr(v, "_value", None), DTensor)), None)
@@ -86,8 +91,7 @@ def distribute_batch(data, dist):
         if x is None:
             return x
         if isinstance(x, DTensor):
-            check_mesh(x, to_device_mesh(dist.device_mesh), "the distribution's",
-                       dist.device_mesh)
+            check_mesh(x, to_device_mesh(dist.device_mesh), "the distribution's")
             return x
         x = convert_to_tensor(x)
         if gather:
@@ -123,7 +127,11 @@ def wrap_make_function(original, attribute):
             if dist is None:
                 return step(data)
             data = [distribute_batch(batch, dist) for batch in data]
-            return _host_outputs(step(data))
+            _IN_STEP[0] = True
+            try:
+                return _host_outputs(step(data))
+            finally:
+                _IN_STEP[0] = False
 
         function._klm_wrapped = True
         setattr(self, attribute, function)
