@@ -38,8 +38,7 @@ def fsdp(mesh=None, axis="batch", min_bytes=DEFAULT_MIN_BYTES, rules=None,
     Example:
 
     >>> import keras, keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 2)],
-    ...     devices=klm.list_devices()[:2])
+    >>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
     >>> layout_map = klm.fsdp(mesh, axis="batch", min_bytes=64)
     >>> with layout_map.scope():
     ...     model = keras.Sequential([keras.Input((4,)),

@@ -10,8 +10,8 @@ and so is any subclass of `keras.initializers.Initializer` defined later.
 Example:
 
 >>> import keras, keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)], devices=klm.list_devices()[:2])
->>> x = keras.initializers.Ones()((4, 3), "float32",
+>>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
+>>> x = keras.initializers.Ones()((8, 3), "float32",
 ...                               layout=klm.Layout(["batch", None], mesh))
 >>> klm.fetch_layout(x).sharding_specs
 ['batch', 'unsharded']

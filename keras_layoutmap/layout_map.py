@@ -319,13 +319,12 @@ class LayoutMap(keras_distribution.LayoutMap):
         Example:
 
         >>> import keras, keras_layoutmap as klm
-        >>> mesh = klm.create_mesh([("batch", 2)],
-        ...     devices=klm.list_devices()[:2])
+        >>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
         >>> layout_map = klm.LayoutMap(mesh)
         >>> layout_map["d1.kernel"] = ("unsharded", "batch")
         >>> with layout_map.scope():
         ...     model = keras.Sequential([keras.Input((4,)),
-        ...                               keras.layers.Dense(2, name="d1")])
+        ...                               keras.layers.Dense(8, name="d1")])
         >>> klm.fetch_layout(model.layers[0].kernel).sharding_specs
         ['unsharded', 'batch']
         """
@@ -548,13 +547,12 @@ def layout_map_scope(layout_map):
     Example:
 
     >>> import keras, keras_layoutmap as klm
-    >>> mesh = klm.create_mesh([("batch", 2)],
-    ...     devices=klm.list_devices()[:2])
+    >>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
     >>> layout_map = klm.LayoutMap(mesh)
     >>> layout_map["d1.kernel"] = ("unsharded", "batch")
     >>> with klm.layout_map_scope(layout_map):
     ...     model = keras.Sequential([keras.Input((4,)),
-    ...                               keras.layers.Dense(2, name="d1")])
+    ...                               keras.layers.Dense(8, name="d1")])
     >>> klm.fetch_layout(model.layers[0].kernel).sharding_specs
     ['unsharded', 'batch']
     """

@@ -8,8 +8,7 @@ metrics did. `klm.metrics.<Name>` is the same class.
 Example:
 
 >>> import keras, keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)],
-...     devices=klm.list_devices()[:2])
+>>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
 >>> metric = keras.metrics.SparseCategoricalAccuracy(mesh=mesh)
 >>> klm.fetch_layout(metric.variables[0]).mesh == mesh
 True

@@ -11,8 +11,7 @@ a custom training loop apply gradients outside any distribution scope, as
 Example:
 
 >>> import keras_layoutmap as klm
->>> mesh = klm.create_mesh([("batch", 2)],
-...     devices=klm.list_devices()[:2])
+>>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
 >>> optimizer = klm.optimizers.Adam(0.01, mesh=mesh)
 >>> klm.fetch_layout(optimizer.iterations).mesh == mesh
 True

@@ -26,7 +26,7 @@ Example:
 >>> import keras, keras_layoutmap as klm
 >>> from keras_layoutmap.placement import place_model
 >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
->>> mesh = klm.create_mesh([("batch", 2)], devices=klm.list_devices()[:2])
+>>> mesh = klm.create_mesh([("batch", len(klm.list_devices()))])
 >>> place_model(model, klm.DataParallel(mesh))
 True
 >>> klm.fetch_layout(model.layers[0].kernel).mesh == mesh
