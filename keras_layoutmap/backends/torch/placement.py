@@ -10,7 +10,6 @@ keeps its own slice (`torch.chunk` semantics, so a dimension the axis does
 not divide, like a short last batch, is split unevenly, as DTensor does).
 """
 
-import contextlib
 import functools
 
 import numpy as np
@@ -73,18 +72,6 @@ def _allow_plain_tensors():
     constants (`torch.as_tensor(0.5)`, masks, random draws) that are the
     same on every process. Turned on once the first mesh exists."""
     DTensor._op_dispatcher._allow_implicit_replication = True
-
-
-@contextlib.contextmanager
-def plain_tensors_replicated():
-    """Within: plain tensors meeting a DTensor count as replicated
-    (restores what was set before, unlike torch's own context manager)."""
-    before = DTensor._op_dispatcher._allow_implicit_replication
-    DTensor._op_dispatcher._allow_implicit_replication = True
-    try:
-        yield
-    finally:
-        DTensor._op_dispatcher._allow_implicit_replication = before
 
 
 def placements(layout):

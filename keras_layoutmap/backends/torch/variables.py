@@ -6,6 +6,7 @@ parameter wraps a DTensor, so torch's own machinery (autograd, `zero_grad`,
 `state_dict`, DCP) sees a sharded parameter.
 """
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -75,7 +76,7 @@ def wrap_initialize(original):
             axes, mesh = fetch_layout(value)
             self._layout = Layout(axes, mesh)
         if self._shape is None and not callable(value):
-            self._shape = self._validate_shape(tuple(value.shape))
+            self._shape = self._validate_shape(tuple(np.shape(value)))
         layout = _layout_for(self)
         if not _placed(layout):
             if isinstance(value, DTensor):
