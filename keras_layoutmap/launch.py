@@ -121,20 +121,26 @@ def _print_tail(path, rank, lines=60):
     sys.stderr.writelines(tail)
 
 
-def _wait(procs, poll=0.1):
-    """Wait for every process; on the first failure stop the others.
-    Returns `(status, rank)`: the failing process's status (as a shell
-    reports it) and rank, or `(0, None)` when all succeed."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
+def _wait(procs):
+    """Wait for every process, in the order they end; on the first failure
+    stop the others. Returns `(status, rank)`: the first failing process's
+    status (as a shell reports it) and rank, or `(0, None)` when all
+    succeed. (The first to end, not the lowest rank: when one process dies,
+    the others fail next, in the collective it left.)"""
+    ranks = {p.pid: r for r, p in enumerate(procs)}
+    running = set(ranks)
+    while running:
+        pid, status = os.waitpid(-1, 0)
+        if pid not in running:
+            continue
+        running.discard(pid)
+        rank = ranks[pid]
+        code = os.waitstatus_to_exitcode(status)
+        procs[rank].returncode = code
+        if code != 0:
             _stop(procs)
-            rank, code = failed[0]
             return (code if code > 0 else 128 - code), rank
-        if all(c == 0 for c in codes):
-            return 0, None
-        time.sleep(poll)
+    return 0, None
 
 
 def _stop(procs):

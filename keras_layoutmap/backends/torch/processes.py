@@ -13,6 +13,7 @@ the others as soon as one fails, so a timeout is the last resort.
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,21 @@ def join(cluster, total_devices=None):
         rank=cluster.process_id,
         timeout=_timeout(),
     )
+    sys.excepthook = _exit_at_once(sys.excepthook)
+
+
+def _exit_at_once(excepthook):
+    """An uncaught error ends this process at once with status 1, after its
+    traceback: left to the interpreter's shutdown, gloo's threads may abort
+    it (status 134) or keep it waiting on peers that are gone."""
+
+    def hook(kind, value, traceback):
+        excepthook(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    return hook
 
 
 def configure_virtual_devices(n):
