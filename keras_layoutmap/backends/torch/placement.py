@@ -22,10 +22,6 @@ from keras_layoutmap.backends.torch import processes
 _MESHES = {}
 
 
-def is_dtensor(x):
-    return isinstance(x, DTensor)
-
-
 def _rank_of(device):
     name = str(device)
     kind, _, index = name.rpartition(":")
@@ -161,8 +157,7 @@ def _torch_value(x):
 
 
 def same_mesh(device_mesh, layout):
-    return device_mesh is to_device_mesh(layout.mesh) or device_mesh == (
-        to_device_mesh(layout.mesh))
+    return device_mesh == to_device_mesh(layout.mesh)
 
 
 def to_layout(value, layout):

@@ -43,12 +43,16 @@ def check_mesh(x, device_mesh, whose):
 _IN_STEP = [False]  # set while a step made by wrap_make_function runs
 
 
+def _summed(placements):
+    """`placements` with every pending sum (`Partial`) taken."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
 def _reduced(x):
     """A model's output with its pending sums taken (a row-sharded last
     layer leaves `Partial` placements): a value, as on JAX and TF."""
     if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
-        return x.redistribute(x.device_mesh, [
-            Replicate() if isinstance(p, Partial) else p for p in x.placements])
+        return x.redistribute(x.device_mesh, _summed(x.placements))
     return x
 
 
@@ -151,8 +155,7 @@ def _summed_together(grads):
     for mesh_dim, place in enumerate(first.placements):
         if isinstance(place, Partial):
             torch.distributed.all_reduce(flat, group=mesh.get_group(mesh_dim))
-    target = [Replicate() if isinstance(p, Partial) else p
-              for p in first.placements]
+    target = _summed(first.placements)
     result, start = [], 0
     for g in grads:
         local = g.to_local()
@@ -174,9 +177,7 @@ def _sum_partial_gradients(pairs):
         places = tuple(grad.placements)
         if places == tuple(value.placements):
             continue
-        summed = tuple(Replicate() if isinstance(p, Partial) else p
-                       for p in places)
-        if summed != tuple(value.placements) or any(
+        if _summed(places) != tuple(value.placements) or any(
                 isinstance(p, Partial) and p.reduce_op != "sum" for p in places):
             continue
         key = (id(grad.device_mesh), places, grad.dtype)
