@@ -23,6 +23,7 @@ from keras.src.models import model as keras_model
 
 from keras_layoutmap.backends.torch import (
     attention,
+    gradients,
     keras_distribution,
     lookups,
     placement,
@@ -89,4 +90,4 @@ def install():
     keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
         keras_torch_nn.dot_product_attention)
     Optimizer = torch_optimizer.TorchOptimizer
-    Optimizer.apply = training.wrap_apply(Optimizer.apply)
+    Optimizer.apply = gradients.wrap_apply(Optimizer.apply)

@@ -14,12 +14,12 @@ own slice and the slices are gathered into the global batch first.
 
 import functools
 
-import torch
 from keras import distribution as keras_distribution
 from keras.src import tree
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 
-from keras_layoutmap.backends.torch import processes
+from keras_layoutmap.backends.torch import local_pieces, processes
+from keras_layoutmap.backends.torch.gradients import summed
 from keras_layoutmap.backends.torch.placement import (
     describe_mesh,
     to_device_mesh,
@@ -43,16 +43,11 @@ def check_mesh(x, device_mesh, whose):
 _IN_STEP = [False]  # set while a step made by wrap_make_function runs
 
 
-def _summed(placements):
-    """`placements` with every pending sum (`Partial`) taken."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-
-
 def _reduced(x):
     """A model's output with its pending sums taken (a row-sharded last
     layer leaves `Partial` placements): a value, as on JAX and TF."""
     if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
-        return x.redistribute(x.device_mesh, _summed(x.placements))
+        return x.redistribute(x.device_mesh, summed(x.placements))
     return x
 
 
@@ -71,6 +66,9 @@ def wrap_model_call(original):
             if mesh is not None:
                 for x in inputs:
                     check_mesh(x, mesh, f"model {self.name!r}'s variables")
+        outputs = local_pieces.run_model_call(self, original, args, kwargs)
+        if outputs is not local_pieces.NOT_LOCAL:
+            return outputs
         return tree.map_structure(_reduced, original(self, *args, **kwargs))
 
     return __call__
@@ -144,89 +142,11 @@ def wrap_make_function(original, attribute):
     return make_function
 
 
-def _summed_together(grads):
-    """Partial-sum gradients (DTensor's gradient of a weight replicated over
-    an axis that splits the batch) reduced with one all-reduce per mesh
-    axis for all of them, as DDP buckets its gradients, instead of one
-    each. `grads`: DTensors of one mesh, placements and dtype."""
-    first = grads[0]
-    mesh = first.device_mesh
-    flat = torch.cat([g.to_local().reshape(-1) for g in grads])
-    for mesh_dim, place in enumerate(first.placements):
-        if isinstance(place, Partial):
-            torch.distributed.all_reduce(flat, group=mesh.get_group(mesh_dim))
-    target = _summed(first.placements)
-    result, start = [], 0
-    for g in grads:
-        local = g.to_local()
-        piece = flat[start:start + local.numel()].view(local.shape)
-        start += local.numel()
-        result.append(DTensor.from_local(piece, mesh, target, run_check=False,
-                                         shape=g.shape, stride=g.stride()))
-    return result
-
-
-def _sum_partial_gradients(pairs):
-    """Where a gradient differs from its weight's placements only by
-    partial sums (sum), reduce those gradients in buckets."""
-    buckets = {}
-    for index, (grad, variable) in enumerate(pairs):
-        value = getattr(variable, "_value", None)
-        if not (isinstance(grad, DTensor) and isinstance(value, DTensor)):
-            continue
-        places = tuple(grad.placements)
-        if places == tuple(value.placements):
-            continue
-        if _summed(places) != tuple(value.placements) or any(
-                isinstance(p, Partial) and p.reduce_op != "sum" for p in places):
-            continue
-        key = (id(grad.device_mesh), places, grad.dtype)
-        buckets.setdefault(key, []).append(index)
-    pairs = list(pairs)
-    for indices in buckets.values():
-        reduced = _summed_together([pairs[i][0] for i in indices])
-        for i, grad in zip(indices, reduced):
-            pairs[i] = (grad, pairs[i][1])
-    return pairs
-
-
-def gradients_like_weights(grads_and_vars):
-    """Gradients of DTensor weights laid out like their weight (DTensor
-    leaves the gradient of a replicated weight as partial sums)."""
-    result = []
-    for grad, variable in _sum_partial_gradients(grads_and_vars):
-        value = getattr(variable, "_value", None)
-        if isinstance(grad, DTensor) and isinstance(value, DTensor):
-            if tuple(grad.placements) != tuple(value.placements):
-                grad = grad.redistribute(value.device_mesh, value.placements)
-        elif isinstance(value, DTensor) and grad is not None:
-            from keras_layoutmap.layout import as_layout
-
-            layout = getattr(variable, "_layout", None)
-            if layout is not None:
-                grad = to_layout(grad, as_layout(layout))
-        result.append((grad, variable))
-    return result
-
-
-def wrap_apply(original):
-    @functools.wraps(original)
-    def apply(self, grads, trainable_variables=None):
-        variables = (trainable_variables if trainable_variables is not None
-                     else getattr(self, "_trainable_variables", None))
-        if variables is not None:
-            grads = list(grads)
-            pairs = gradients_like_weights(list(zip(grads, variables)))
-            grads = [g for g, _ in pairs]
-        return original(self, grads, trainable_variables)
-
-    return apply
-
-
 def retrack_parameters(model):
     """Keras torch layers list their variables' parameters for torch
     (`zero_grad`, `parameters()`); a moved variable holds a new parameter."""
     for layer in model._flatten_layers(include_self=True):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()
+    local_pieces.forget(model)
 

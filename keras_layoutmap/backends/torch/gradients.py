@@ -1,0 +1,134 @@
+"""Gradients of weights on a mesh, made ready for the optimizer.
+
+DTensor leaves the gradient of a weight that is replicated over a mesh axis
+splitting the batch as partial sums (`Partial`), one per process. They are
+summed here for all weights at once, one all-reduce per mesh axis and dtype
+(as DDP buckets its gradients), and each gradient is laid out like its
+weight before the optimizer applies it. Where the weights and the
+optimizer's variables are all replicated, the optimizer then updates each
+process's local copies (`local_pieces.apply_locally`).
+"""
+
+import functools
+
+import torch
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch.placement import to_layout
+
+
+def summed(placements):
+    """`placements` with every pending sum (`Partial`) taken."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _sum_in_one(grads):
+    """The local pieces of `grads` (pending sums, DTensors of one mesh,
+    placements and dtype) summed over the processes with one all-reduce
+    per mesh axis for all of them."""
+    first = grads[0]
+    mesh = first.device_mesh
+    locals_ = [g._local_tensor for g in grads]
+    flat = torch.cat([x.reshape(-1) for x in locals_])
+    for mesh_dim, place in enumerate(first.placements):
+        if isinstance(place, Partial):
+            torch.distributed.all_reduce(flat, group=mesh.get_group(mesh_dim))
+    result, start = [], 0
+    for x in locals_:
+        result.append(flat[start:start + x.numel()].view(x.shape))
+        start += x.numel()
+    return result
+
+
+def _is_pending_sum_of(grad, value):
+    """`grad` differs from its weight's placements only by sums to take."""
+    places = tuple(grad.placements)
+    return (places != tuple(value.placements)
+            and summed(places) == tuple(value.placements)
+            and all(p.reduce_op == "sum" for p in places
+                    if isinstance(p, Partial)))
+
+
+def _sum_pending(pairs):
+    """{index: summed local piece} for every gradient in `pairs` (gradient,
+    variable) that is its weight's layout with sums to take; the sums are
+    taken in buckets of one mesh, placements and dtype."""
+    buckets = {}
+    for index, (grad, variable) in enumerate(pairs):
+        value = getattr(variable, "_value", None)
+        if (isinstance(grad, DTensor) and isinstance(value, DTensor)
+                and _is_pending_sum_of(grad, value)):
+            key = (id(grad.device_mesh), tuple(grad.placements), grad.dtype)
+            buckets.setdefault(key, []).append(index)
+    found = {}
+    for indices in buckets.values():
+        pieces = _sum_in_one([pairs[i][0] for i in indices])
+        found.update(zip(indices, pieces))
+    return found
+
+
+def gradients_like_weights(pairs):
+    """(gradient, variable) pairs with each DTensor weight's gradient laid
+    out like the weight."""
+    sums = _sum_pending(pairs)
+    result = []
+    for index, (grad, variable) in enumerate(pairs):
+        value = getattr(variable, "_value", None)
+        if index in sums:
+            grad = DTensor.from_local(
+                sums[index], grad.device_mesh, summed(grad.placements),
+                run_check=False, shape=grad.shape, stride=grad.stride())
+        if isinstance(grad, DTensor) and isinstance(value, DTensor):
+            if tuple(grad.placements) != tuple(value.placements):
+                grad = grad.redistribute(value.device_mesh, value.placements)
+        elif isinstance(value, DTensor) and grad is not None:
+            from keras_layoutmap.layout import as_layout
+
+            layout = getattr(variable, "_layout", None)
+            if layout is not None:
+                grad = to_layout(grad, as_layout(layout))
+        result.append((grad, variable))
+    return result
+
+
+def local_gradients(pairs, device_mesh):
+    """Each gradient's local tensor, summed over the batch axes, when every
+    gradient is its replicated weight's on `device_mesh` (or sums of it to
+    take); else None, with nothing communicated."""
+    for grad, variable in pairs:
+        if grad is None:
+            continue
+        if not (isinstance(grad, DTensor) and grad.device_mesh == device_mesh):
+            return None
+        places = tuple(grad.placements)
+        if places != tuple(variable._value.placements) and not _is_pending_sum_of(
+                grad, variable._value):
+            return None
+    sums = _sum_pending(pairs)
+    return [None if grad is None else sums.get(index, grad._local_tensor)
+            for index, (grad, _) in enumerate(pairs)]
+
+
+def wrap_apply(original):
+    """`optimizer.apply`: gradients laid out like their weights first; on
+    local copies where everything is replicated."""
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        variables = (trainable_variables if trainable_variables is not None
+                     else getattr(self, "_trainable_variables", None))
+        if variables is None or in_stateless_scope():
+            return original(self, grads, trainable_variables)
+        pairs = list(zip(grads, variables))
+        mesh = local_pieces.replicated_update_mesh(self, variables)
+        if mesh is not None:
+            local = local_gradients(pairs, mesh)
+            if local is not None:
+                return local_pieces.apply_locally(self, original, local,
+                                                  variables)
+        pairs = gradients_like_weights(pairs)
+        return original(self, [g for g, _ in pairs], trainable_variables)
+
+    return apply

@@ -1,0 +1,275 @@
+"""Data parallelism on each process's own pieces: the torch fast path.
+
+Where a model's weights are all replicated and its inputs are split over
+batch rows only, what DTensor computes on each process is what the same
+layers compute on that process's rows with plain tensors. DTensor still
+decides it op by op, in Python, at many times the cost of a small op. So:
+
+- **a model call** runs Keras' own layers on the local pieces, under a
+  `keras.StatelessScope` that maps every variable to its local tensor; the
+  outputs become DTensors again, split by rows as the inputs were, so the
+  loss and metrics that follow still take their batch sums on DTensors. A
+  weight's gradient arrives as partial sums over the axes that split the
+  batch (as DTensor leaves it), and `training` sums all of them in one
+  all-reduce, as DDP's buckets do.
+- **an optimizer update** whose weights, gradients and slots are all
+  replicated runs on each process's local copies: every process holds the
+  same numbers and does the same arithmetic.
+
+A call is local only where that gives DTensor's numbers. This is checked
+once per model and input signature (shapes, dtypes, placements, flags) by a
+trial call on DTensors, with no gradients and no state kept, under DTensor's
+strict redistribution check: the trial must need no redistribution and no
+communication, draw no random numbers, assign no variable, add no loss,
+and return outputs split by rows as its inputs. Batch normalization (batch
+statistics), dropout (one device's random mask), a layer that indexes the
+batch or reduces over it, a plain tensor among the inputs, a sharded
+weight: each keeps the DTensor path. A local call that does any of these
+anyway (it depends on the data) is dropped, the random generator restored,
+and the call made on DTensors.
+
+`KLM_TORCH_LOCAL_PIECES=0` turns the fast path off (every call on DTensors).
+"""
+
+import os
+import weakref
+
+import torch
+from keras.src import tree
+from keras.src.backend.common.stateless_scope import (
+    StatelessScope,
+    in_stateless_scope,
+)
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from keras_layoutmap.backends.torch.placement import contiguous_stride
+
+ENABLED = os.environ.get("KLM_TORCH_LOCAL_PIECES", "1") != "0"
+NOT_LOCAL = object()  # what a `run_*` returns when the call is not local
+
+_PLANS = weakref.WeakKeyDictionary()  # model -> {signature: _Plan or None}
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class _Plan:
+    """How a model call with one input signature runs locally."""
+
+    __slots__ = ("mesh", "placements", "grad_placements", "rows",
+                 "variables", "values")
+
+    def __init__(self, mesh, placements, rows, variables):
+        self.mesh = mesh
+        self.placements = placements
+        # The gradient of a replicated weight from a process's rows: a
+        # partial sum over each axis that splits the batch.
+        self.grad_placements = tuple(
+            Partial() if isinstance(p, Shard) else Replicate()
+            for p in placements)
+        self.rows = rows
+        self.variables = variables
+        self.values = tuple(v._value for v in variables)
+
+    def still_holds(self):
+        """The variables hold the values the plan was made for (a moved
+        variable holds a new DTensor)."""
+        return all(v._value is value
+                   for v, value in zip(self.variables, self.values))
+
+
+def _row_placements(x):
+    """`x`'s placements if it is split over its rows (dimension 0) only, or
+    whole on every process (a batch the batch axis does not divide)."""
+    places = tuple(x.placements)
+    if all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)
+           for p in places):
+        return places
+    return None
+
+
+def _signature(args, kwargs):
+    """What the decision depends on, hashable; None when a leaf is neither
+    a DTensor nor a plain Python value."""
+    key = [len(args), tuple(sorted(kwargs))]
+    found = False
+    for x in tree.flatten((args, kwargs)):
+        if isinstance(x, DTensor):
+            key.append((tuple(x.shape), x.dtype, tuple(x.placements),
+                        id(x.device_mesh)))
+            found = True
+        elif isinstance(x, _SCALARS):
+            key.append((type(x), x))
+        else:
+            return None
+    return tuple(key) if found else None
+
+
+def _is_replicated(value):
+    return isinstance(value, DTensor) and all(
+        isinstance(p, Replicate) for p in value.placements)
+
+
+def _local_plan(model, original, args, kwargs):
+    """A `_Plan` when the call's local pieces give DTensor's numbers."""
+    inputs = [x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
+    first = inputs[0]
+    places = _row_placements(first)
+    if places is None or any(
+            x.device_mesh != first.device_mesh or tuple(x.placements) != places
+            or x.ndim == 0 or x.shape[0] != first.shape[0] for x in inputs):
+        return None
+    variables = [v for v in model.variables
+                 if isinstance(getattr(v, "_value", None), torch.Tensor)]
+    if not all(_is_replicated(v._value)
+               and v._value.device_mesh == first.device_mesh
+               for v in variables):
+        return None
+    if not _trial_keeps_rows(model, original, args, kwargs, places,
+                             first.shape[0]):
+        return None
+    return _Plan(first.device_mesh, places, first.shape[0], variables)
+
+
+class _Collectives(TorchDispatchMode):
+    """Notes every collective the ops under it take (DTensor's own and
+    explicit ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _trial_keeps_rows(model, original, args, kwargs, places, rows):
+    """Call the model on DTensors with nothing kept (no gradients, no
+    assignments, the random generator restored): True when nothing in the
+    call looked across rows or changed state."""
+    try:
+        from torch.distributed.tensor._utils import ExplicitRedistributionContext
+    except ImportError:  # another torch: no check, so no fast path
+        return False
+    generator = torch.random.get_rng_state()
+    scope = StatelessScope(collect_losses=True)
+    collectives = _Collectives()
+    try:
+        with (torch.no_grad(), scope,
+              ExplicitRedistributionContext(strict=True, mode="raise"),
+              collectives):
+            outputs = original(model, *args, **kwargs)
+    except Exception:  # noqa: BLE001 - the DTensor call will say what it is
+        return False
+    finally:
+        drew = not torch.equal(generator, torch.random.get_rng_state())
+        torch.random.set_rng_state(generator)
+    if drew or scope.losses or scope.state_mapping or collectives.seen:
+        return False
+    leaves = [x for x in tree.flatten(outputs) if x is not None]
+    return bool(leaves) and all(
+        isinstance(x, DTensor) and tuple(x.placements) == places
+        and x.ndim > 0 and x.shape[0] == rows for x in leaves)
+
+
+def _plan_for(model, original, args, kwargs):
+    key = _signature(args, kwargs)
+    if key is None:
+        return None
+    plans = _PLANS.setdefault(model, {})
+    plan = plans.get(key, NOT_LOCAL)
+    if plan is NOT_LOCAL or (plan is not None and not plan.still_holds()):
+        plan = plans[key] = _local_plan(model, original, args, kwargs)
+    return plan
+
+
+def forget(model):
+    """The model's variables moved: decide again at its next call."""
+    _PLANS.pop(model, None)
+
+
+def local_plans(model):
+    """{input signature: True if its calls run locally} (for tests)."""
+    return {key: plan is not None for key, plan in _PLANS.get(model, {}).items()}
+
+
+def _to_local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def run_model_call(model, original, args, kwargs):
+    """`original(model, *args, **kwargs)` on the local pieces, or NOT_LOCAL."""
+    if not ENABLED or in_stateless_scope():
+        return NOT_LOCAL
+    plan = _plan_for(model, original, args, kwargs)
+    if plan is None:
+        return NOT_LOCAL
+    grad = torch.is_grad_enabled()
+    mapping = {}
+    for variable, value in zip(plan.variables, plan.values):
+        mapping[id(variable)] = (
+            value.to_local(grad_placements=plan.grad_placements)
+            if grad and value.requires_grad else value._local_tensor)
+    local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
+    generator = torch.random.get_rng_state()
+    scope = StatelessScope(collect_losses=True)
+    scope.state_mapping = dict(mapping)
+    with scope:
+        outputs = original(model, *local_args, **local_kwargs)
+    if (scope.losses or len(scope.state_mapping) != len(mapping)
+            or any(scope.state_mapping[k] is not t for k, t in mapping.items())
+            or not torch.equal(generator, torch.random.get_rng_state())):
+        # The data took the call somewhere the trial did not go.
+        torch.random.set_rng_state(generator)
+        _PLANS[model][_signature(args, kwargs)] = None
+        return NOT_LOCAL
+    local_rows = next(x for x in tree.flatten(local_args)
+                      if isinstance(x, torch.Tensor)).shape[0]
+
+    def to_dtensor(x):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] != local_rows:
+            raise RuntimeError(
+                f"Model {model.name!r} returned {type(x).__name__} of shape "
+                f"{tuple(getattr(x, 'shape', ()))} from this process's "
+                f"{local_rows} rows: not one row per input row, unlike its "
+                "trial call. Set KLM_TORCH_LOCAL_PIECES=0 and report it.")
+        shape = (plan.rows, *x.shape[1:])
+        return DTensor.from_local(x, plan.mesh, plan.placements, run_check=False,
+                                  shape=shape, stride=contiguous_stride(shape))
+
+    return tree.map_structure(
+        lambda x: None if x is None else to_dtensor(x), outputs)
+
+
+def replicated_update_mesh(optimizer, variables):
+    """The `DeviceMesh` that the optimizer's weights and variables are all
+    replicated on, or None (then it updates them on DTensors)."""
+    if not ENABLED or not optimizer.built:
+        return None
+    values = [getattr(v, "_value", None)
+              for v in (*variables, *optimizer.variables)]
+    if not values or not all(_is_replicated(x) for x in values):
+        return None
+    mesh = values[0].device_mesh
+    return mesh if all(x.device_mesh == mesh for x in values) else None
+
+
+def apply_locally(optimizer, original, grads, variables):
+    """`original(optimizer, grads, variables)` on each process's local
+    copies: `grads` are local tensors, the same on every process, and
+    every variable is replicated (`replicated_update_mesh`)."""
+    state = [*variables, *optimizer.variables]
+    mapping = {id(v): v._value._local_tensor for v in state}
+    scope = StatelessScope()
+    scope.state_mapping = dict(mapping)
+    with scope:
+        result = original(optimizer, grads, variables)
+    # What was updated in place is in the local tensors already; what was
+    # assigned, the scope kept.
+    with torch.no_grad():
+        for key, local in mapping.items():
+            new = scope.state_mapping[key]
+            if new is not local:
+                local.copy_(new)
+    return result
