@@ -21,8 +21,16 @@ prints what process 0 measured. In those 4 processes:
   global batch of 256 (the rows DTensor's `Shard(0)` gives it), so both
   runs train on the same data in the same order.
 
-The two runs alternate in the same processes for `--rounds` rounds (the
-order flipping each round), so machine noise hits both alike; each round is
+Two more runs give each one's floor, with no communication at all: every
+process trains a copy of its own on its own quarter of each batch, in Keras
+with no distribution (**Keras alone**: what Keras' own step costs, which no
+distribution can go under) and in plain torch (**torch alone**). So
+klm - Keras alone is what keras-layoutmap adds (placing the batch, the
+gradient all-reduce, the batch sums of the loss), and DDP - torch alone what
+DDP adds.
+
+The runs alternate in the same processes for `--rounds` rounds (the
+order turning each round), so machine noise hits all alike; each round is
 one epoch of `--skip` dropped warm-up steps plus `--steps` timed steps. A klm
 step is timed in a callback's `on_train_batch_begin` / `on_train_batch_end`
 (Keras' whole step: packing the batch, forward, backward, the gradient
@@ -50,7 +58,8 @@ collective for the other processes shows up inside the collective).
 
 Goal: median step time klm / DDP <= 1.2.
 
-Run: python benchmarks/torch_ddp.py [--steps 40] [--rounds 4] [--profile 20]
+Run: python benchmarks/torch_ddp.py [--steps 40] [--rounds 4] [--hidden 512]
+[--profile 20]
 """
 
 import argparse
@@ -63,7 +72,7 @@ import tempfile
 import time
 
 PROCESSES = 4
-FEATURES, HIDDEN, CLASSES = 64, 512, 10
+FEATURES, CLASSES = 64, 10
 GLOBAL_BATCH = 256
 SEED = 0
 GOAL = 1.2
@@ -104,12 +113,13 @@ def worker(args):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = args.skip + args.steps
+    hidden = args.hidden
     rng = np.random.default_rng(SEED)
     x = rng.random((steps * GLOBAL_BATCH, FEATURES), dtype=np.float32)
     y = rng.integers(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
 
     with klm.DataParallel(klm.create_mesh([("batch", PROCESSES)])).scope():
-        model = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
+        model = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
     kernel = model.get_layer("d0").kernel
     local_shape = tuple(klm.unpack(kernel)[0].shape)
     placement = (f"{type(kernel.value).__name__} {klm.fetch_layout(kernel)}, "
@@ -121,6 +131,13 @@ def worker(args):
     loss_fn = torch.nn.CrossEntropyLoss()
     local = GLOBAL_BATCH // world
     xt, yt = torch.from_numpy(x), torch.from_numpy(y.astype("int64"))
+    # This process's quarter of every global batch, for the runs alone.
+    mine = np.concatenate([np.arange(i * GLOBAL_BATCH + rank * local,
+                                     i * GLOBAL_BATCH + (rank + 1) * local)
+                           for i in range(steps)])
+    keras_alone = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
+    net_alone = build_torch(torch, keras_alone)
+    optimizer_alone = torch.optim.Adam(net_alone.parameters(), lr=1e-3, eps=1e-7)
 
     class CpuTimer(StepTimer):
         """Also the process's CPU time in each step (all its threads)."""
@@ -137,26 +154,33 @@ def worker(args):
             super().on_train_batch_end(batch, logs)
             self.cpu.append(time.process_time() - self._cpu)
 
-    def fit_klm():
+    def fit_keras(keras_model, xs, ys, batch):
         timer = CpuTimer()
-        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
-                            shuffle=False, verbose=0, callbacks=[timer])
+        history = keras_model.fit(xs, ys, batch_size=batch, epochs=1,
+                                  shuffle=False, verbose=0, callbacks=[timer])
         return timer.times, timer.cpu, history.history["loss"][0]
 
-    def fit_ddp():
+    def fit_torch(module, opt):
         times, cpu = [], []
         for i in range(steps):
             start, start_cpu = time.perf_counter(), time.process_time()
             rows = slice(i * GLOBAL_BATCH + rank * local,
                          i * GLOBAL_BATCH + (rank + 1) * local)
-            optimizer.zero_grad()
-            loss = loss_fn(ddp(xt[rows]), yt[rows])
+            opt.zero_grad()
+            loss = loss_fn(module(xt[rows]), yt[rows])
             loss.backward()
-            optimizer.step()
+            opt.step()
             loss.item()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
         return times, cpu, None
+
+    runs = {
+        "klm": lambda: fit_keras(model, x, y, GLOBAL_BATCH),
+        "ddp": lambda: fit_torch(ddp, optimizer),
+        "keras_alone": lambda: fit_keras(keras_alone, x[mine], y[mine], local),
+        "torch_alone": lambda: fit_torch(net_alone, optimizer_alone),
+    }
 
     def ddp_weights():
         found = []
@@ -165,17 +189,17 @@ def worker(args):
                       linear.bias.detach().numpy().copy()]
         return found
 
-    times, cpu = {"klm": [], "ddp": []}, {"klm": [], "ddp": []}
+    names = list(runs)
+    times, cpu = {k: [] for k in names}, {k: [] for k in names}
     first, after_one_epoch, first_loss = {}, {}, None
     for i in range(args.rounds):
-        order = ("klm", "ddp") if i % 2 == 0 else ("ddp", "klm")
+        order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
-            step_times, cpu_times, loss = (
-                fit_klm if name == "klm" else fit_ddp)()
+            step_times, cpu_times, loss = runs[name]()
             first.setdefault(name, step_times[0])
             times[name].extend(step_times[args.skip:])
             cpu[name].extend(cpu_times[args.skip:])
-            if i == 0:  # weights after one epoch, for the check below
+            if i == 0 and name in ("klm", "ddp"):  # for the check below
                 first_loss = loss if name == "klm" else first_loss
                 after_one_epoch[name] = (
                     [w.numpy().copy() for w in model.weights]
@@ -187,7 +211,7 @@ def worker(args):
     # ReLU unit's pre-activation sits within rounding of 0 for a sample:
     # the two runs then take that sample through the unit differently, and
     # Adam (which normalises each update) carries the difference on.
-    single = build_mlp(SEED, FEATURES, HIDDEN, CLASSES, metrics=())
+    single = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
     single_loss = single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                              shuffle=False, verbose=0).history["loss"][0]
 
@@ -248,6 +272,8 @@ def main():
                         help="warm-up steps dropped per round (default 3)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds, each one epoch of each run (default 4)")
+    parser.add_argument("--hidden", type=int, default=512,
+                        help="width of the two hidden layers (default 512)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then profile N klm steps on process 0")
     parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
@@ -275,6 +301,7 @@ def main():
                    str(PROCESSES), "--log-dir", tmp, os.path.abspath(__file__),
                    "--worker", "--out", out, "--steps", str(args.steps),
                    "--skip", str(args.skip), "--rounds", str(args.rounds),
+                   "--hidden", str(args.hidden),
                    "--profile", str(args.profile),
                    "--profile-clock", args.profile_clock]
         done = subprocess.run(command, env=env, timeout=900, check=False)
@@ -287,14 +314,16 @@ def main():
     cores = os.cpu_count()
     table = Table(title=(
         f"data-parallel fit, {PROCESSES} processes x 1 CPU device (gloo), "
-        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, Adam, global batch "
+        f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, Adam, global batch "
         f"{GLOBAL_BATCH}; OMP_NUM_THREADS=1 per process, {cores} cores; "
         f"{args.rounds} rounds x {args.steps} timed steps"))
     for column in ("run", "first step (ms)", "median step (ms)",
                    "mean step (ms)", "CPU per step, process 0 (ms)",
                    "timed steps"):
         table.add_column(column, justify="left" if column == "run" else "right")
-    for key, label in (("klm", "klm DataParallel fit"), ("ddp", "torch DDP")):
+    for key, label in (("klm", "klm DataParallel fit"), ("ddp", "torch DDP"),
+                       ("keras_alone", "Keras alone, its quarter"),
+                       ("torch_alone", "torch alone, its quarter")):
         table.add_row(label, f"{r['first_ms'][key]:.1f}",
                       f"{r['median_ms'][key]:.2f}", f"{r['mean_ms'][key]:.2f}",
                       f"{r['cpu_ms'][key]:.2f}", str(r["steps"][key]))
@@ -303,6 +332,13 @@ def main():
     console.print(
         f"klm / DDP, median step: {ratio:.2f} (goal <= {GOAL}: "
         f"{'met' if ratio <= GOAL else 'NOT met'})")
+    median = r["median_ms"]
+    floor = median["keras_alone"] / median["torch_alone"]
+    console.print(
+        f"Keras alone / torch alone: {floor:.2f} "
+        f"(Keras' own step); what the distribution adds per step: klm "
+        f"{median['klm'] - median['keras_alone']:.2f} ms over Keras alone, DDP "
+        f"{median['ddp'] - median['torch_alone']:.2f} ms over torch alone")
     console.print(
         f"mean loss of the first epoch: klm {r['first_loss']:.7f}, the same "
         f"Keras model on 1 device {r['single_loss']:.7f}")

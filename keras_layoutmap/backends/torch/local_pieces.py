@@ -200,8 +200,8 @@ def _to_local(x):
 
 def run_model_call(model, original, args, kwargs):
     """`original(model, *args, **kwargs)` on the local pieces, or NOT_LOCAL."""
-    if not ENABLED or in_stateless_scope():
-        return NOT_LOCAL
+    if not ENABLED or in_stateless_scope() or not model.built:
+        return NOT_LOCAL  # a first call builds the model, on DTensors
     plan = _plan_for(model, original, args, kwargs)
     if plan is None:
         return NOT_LOCAL
