@@ -119,6 +119,34 @@ def test_fast_path_gives_the_dtensor_path_numbers(digits, monkeypatch):
     assert_same_training(fast, fast_history, slow, slow_history)
 
 
+def test_masked_sequence_outputs_keep_their_mask(digits):
+    """An output's padding mask (Embedding(mask_zero=True)) goes with its
+    rows: the loss leaves the padded steps out, as on one process."""
+    x, y = digits
+    ids = (x * 16).astype("int32")  # 64 steps of ids 0..16, 0 = padding
+    labels = np.repeat(y[:, None], 64, axis=1)
+
+    def sequence_model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64,), dtype="int32")
+        h = keras.layers.Embedding(17, 8, mask_zero=True, name="embed")(inputs)
+        outputs = keras.layers.Dense(10, name="head")(h)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses
+                      .SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = sequence_model()
+    ref_history = reference.fit(ids, labels, batch_size=BATCH, epochs=2,
+                                shuffle=False, verbose=0).history
+    with klm.DataParallel(dp_mesh()).scope():
+        model = sequence_model()
+    history = model.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert all(local_pieces().local_plans(model).values())
+    assert_same_training(model, history, reference, ref_history)
+
+
 class MinusBatchMean(keras.layers.Layer):
     """Mixes rows: subtracts the batch's mean."""
 

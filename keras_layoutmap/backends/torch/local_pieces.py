@@ -36,6 +36,7 @@ import weakref
 
 import torch
 from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import (
     StatelessScope,
     in_stateless_scope,
@@ -168,6 +169,7 @@ def _trial_keeps_rows(model, original, args, kwargs, places, rows):
     if drew or scope.losses or scope.state_mapping or collectives.seen:
         return False
     leaves = [x for x in tree.flatten(outputs) if x is not None]
+    leaves += [m for m in map(get_keras_mask, leaves) if m is not None]
     return bool(leaves) and all(
         isinstance(x, DTensor) and tuple(x.placements) == places
         and x.ndim > 0 and x.shape[0] == rows for x in leaves)
@@ -195,7 +197,13 @@ def local_plans(model):
 
 
 def _to_local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
+    if not isinstance(x, DTensor):
+        return x
+    local = x.to_local()
+    mask = get_keras_mask(x)
+    if mask is not None:
+        set_keras_mask(local, _to_local(mask))
+    return local
 
 
 def run_model_call(model, original, args, kwargs):
@@ -228,6 +236,12 @@ def run_model_call(model, original, args, kwargs):
                       if isinstance(x, torch.Tensor)).shape[0]
 
     def to_dtensor(x):
+        mask = get_keras_mask(x)
+        if mask is not None:  # (a sequence's padding) it goes with its rows
+            set_keras_mask(x, None)
+            x = to_dtensor(x)
+            set_keras_mask(x, to_dtensor(mask))
+            return x
         if not isinstance(x, torch.Tensor) or x.ndim == 0 or x.shape[0] != local_rows:
             raise RuntimeError(
                 f"Model {model.name!r} returned {type(x).__name__} of shape "
