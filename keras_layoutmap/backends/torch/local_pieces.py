@@ -57,7 +57,7 @@ class _Plan:
     """How a model call with one input signature runs locally."""
 
     __slots__ = ("mesh", "placements", "grad_placements", "rows",
-                 "variables", "values")
+                 "variables", "values", "trial")
 
     def __init__(self, mesh, placements, rows, variables):
         self.mesh = mesh
@@ -70,6 +70,9 @@ class _Plan:
         self.rows = rows
         self.variables = variables
         self.values = tuple(v._value for v in variables)
+        # The trial's outputs (this process's pieces), which the first
+        # local call must equal; None once it did.
+        self.trial = None
 
     def still_holds(self):
         """The variables hold the values the plan was made for (a moved
@@ -125,10 +128,12 @@ def _local_plan(model, original, args, kwargs):
                and v._value.device_mesh == first.device_mesh
                for v in variables):
         return None
-    if not _trial_keeps_rows(model, original, args, kwargs, places,
-                             first.shape[0]):
+    trial = _trial(model, original, args, kwargs, places, first.shape[0])
+    if trial is None:
         return None
-    return _Plan(first.device_mesh, places, first.shape[0], variables)
+    plan = _Plan(first.device_mesh, places, first.shape[0], variables)
+    plan.trial = trial
+    return plan
 
 
 class _Collectives(TorchDispatchMode):
@@ -145,14 +150,15 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _trial_keeps_rows(model, original, args, kwargs, places, rows):
+def _trial(model, original, args, kwargs, places, rows):
     """Call the model on DTensors with nothing kept (no gradients, no
-    assignments, the random generator restored): True when nothing in the
-    call looked across rows or changed state."""
+    assignments, the random generator restored). When nothing in the call
+    looked across rows or changed state: this process's pieces of its
+    outputs (and their masks); else None."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
     except ImportError:  # another torch: no check, so no fast path
-        return False
+        return None
     generator = torch.random.get_rng_state()
     scope = StatelessScope(collect_losses=True)
     collectives = _Collectives()
@@ -162,17 +168,27 @@ def _trial_keeps_rows(model, original, args, kwargs, places, rows):
               collectives):
             outputs = original(model, *args, **kwargs)
     except Exception:  # noqa: BLE001 - the DTensor call will say what it is
-        return False
+        return None
     finally:
         drew = not torch.equal(generator, torch.random.get_rng_state())
         torch.random.set_rng_state(generator)
     if drew or scope.losses or scope.state_mapping or collectives.seen:
-        return False
-    leaves = [x for x in tree.flatten(outputs) if x is not None]
-    leaves += [m for m in map(get_keras_mask, leaves) if m is not None]
-    return bool(leaves) and all(
-        isinstance(x, DTensor) and tuple(x.placements) == places
-        and x.ndim > 0 and x.shape[0] == rows for x in leaves)
+        return None
+    leaves = _with_masks(outputs)
+    if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
+                      and x.ndim > 0 and x.shape[0] == rows for x in leaves):
+        return [x.to_local() for x in leaves]
+    return None
+
+
+def _with_masks(outputs):
+    """The tensors of `outputs`, each followed by its Keras mask if any."""
+    found = []
+    for x in tree.flatten(outputs):
+        if x is not None:
+            mask = get_keras_mask(x)
+            found += [x] if mask is None else [x, mask]
+    return found
 
 
 def _plan_for(model, original, args, kwargs):
@@ -232,6 +248,16 @@ def run_model_call(model, original, args, kwargs):
         torch.random.set_rng_state(generator)
         _PLANS[model][_signature(args, kwargs)] = None
         return NOT_LOCAL
+    if plan.trial is not None:
+        # The first local call must give the trial's numbers exactly (a
+        # layer that reads the batch size as a number would not).
+        found = _with_masks(outputs)
+        if len(found) != len(plan.trial) or not all(
+                isinstance(a, torch.Tensor) and a.shape == b.shape
+                and torch.equal(a.detach(), b) for a, b in zip(found, plan.trial)):
+            _PLANS[model][_signature(args, kwargs)] = None
+            return NOT_LOCAL
+        plan.trial = None
     local_rows = next(x for x in tree.flatten(local_args)
                       if isinstance(x, torch.Tensor)).shape[0]
 
