@@ -57,8 +57,8 @@ def build(middle=None, **dense_kwargs):
     return model
 
 
-def data_parallel(*args, **kwargs):
-    with klm.DataParallel(dp_mesh()).scope():
+def data_parallel(*args, mesh=None, **kwargs):
+    with klm.DataParallel(mesh or dp_mesh()).scope():
         return build(*args, **kwargs)
 
 
@@ -77,10 +77,14 @@ def assert_same_training(model, history, reference, ref_history):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
 
 
-def test_data_parallel_fit_runs_locally_and_matches_one_process(digits):
+@pytest.mark.parametrize("axes", ["batch", "batch x model"])
+def test_data_parallel_fit_runs_locally_and_matches_one_process(digits, axes):
+    """On a (batch, model) mesh the batch is split over `batch` only: the
+    gradients are partial sums over that axis alone."""
+    mesh = dp_mesh() if axes == "batch" else mp_mesh()
     reference = build()
     ref_history = fit(reference, digits)
-    model = data_parallel()
+    model = data_parallel(mesh=mesh)
     history = fit(model, digits)
     plans = local_pieces().local_plans(model)
     # Full batches, the 24-row batch: both signatures ran locally.
@@ -89,7 +93,7 @@ def test_data_parallel_fit_runs_locally_and_matches_one_process(digits):
     # The optimizer updated local copies: still replicated DTensors, equal
     # on every process.
     kernel = model.get_layer("d1").kernel
-    assert klm.fetch_layout(kernel) == klm.Layout.replicated(dp_mesh(), 2)
+    assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
     moments = [v for v in model.optimizer.variables if "d1_kernel" in v.path]
     assert moments and all(
         klm.fetch_layout(m) == klm.fetch_layout(kernel) for m in moments)
@@ -171,6 +175,19 @@ class TimesBatchSize(keras.layers.Layer):
         return x * (x.shape[0] / 64.0)
 
 
+def untracked_scale():
+    """A layer that reads a variable the model does not own (a closure):
+    its local call would meet a DTensor; the first local call's check sees
+    it."""
+    scale = keras.Variable(1.5, name="scale")
+
+    class Scaled(keras.layers.Layer):
+        def call(self, x):
+            return x * scale
+
+    return Scaled()
+
+
 CROSS_ROW = {
     "batch normalization": dict(
         middle=lambda: keras.layers.BatchNormalization(name="bn")),
@@ -179,11 +196,12 @@ CROSS_ROW = {
     "a row index": dict(middle=PlusRowIndex),
     "an activity regularizer": dict(activity_regularizer="l2"),
     "the batch size as a number": dict(middle=TimesBatchSize),
+    "a variable the model does not own": dict(middle=untracked_scale),
 }
 
 
 @pytest.mark.parametrize("case", CROSS_ROW)
-def test_calls_that_look_across_rows_stay_on_dtensors(digits, case):
+def test_calls_the_fast_path_cannot_take_stay_on_dtensors(digits, case):
     reference = build(**CROSS_ROW[case])
     ref_history = fit(reference, digits)
     model = data_parallel(**CROSS_ROW[case])

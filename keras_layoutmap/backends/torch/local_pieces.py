@@ -253,7 +253,8 @@ def run_model_call(model, original, args, kwargs):
         # layer that reads the batch size as a number would not).
         found = _with_masks(outputs)
         if len(found) != len(plan.trial) or not all(
-                isinstance(a, torch.Tensor) and a.shape == b.shape
+                isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                and a.shape == b.shape
                 and torch.equal(a.detach(), b) for a, b in zip(found, plan.trial)):
             _PLANS[model][_signature(args, kwargs)] = None
             return NOT_LOCAL
