@@ -10,7 +10,7 @@ decides it op by op, in Python, at many times the cost of a small op. So:
   outputs become DTensors again, split by rows as the inputs were, so the
   loss and metrics that follow still take their batch sums on DTensors. A
   weight's gradient arrives as partial sums over the axes that split the
-  batch (as DTensor leaves it), and `training` sums all of them in one
+  batch (as DTensor leaves it), and `gradients` sums all of them in one
   all-reduce, as DDP's buckets do.
 - **an optimizer update** whose weights, gradients and slots are all
   replicated runs on each process's local copies: every process holds the
@@ -24,9 +24,12 @@ communication, draw no random numbers, assign no variable, add no loss,
 and return outputs split by rows as its inputs. Batch normalization (batch
 statistics), dropout (one device's random mask), a layer that indexes the
 batch or reduces over it, a plain tensor among the inputs, a sharded
-weight: each keeps the DTensor path. A local call that does any of these
-anyway (it depends on the data) is dropped, the random generator restored,
-and the call made on DTensors.
+weight: each keeps the DTensor path. The first local call must then give
+this process's pieces of the trial's outputs exactly, on every process
+(which catches a layer that reads the batch size as a number, or a variable
+the model does not own). A local call that assigns, draws or adds a loss
+anyway (the data took it elsewhere) is dropped, the random generator
+restored, and the call made on DTensors.
 
 `KLM_TORCH_LOCAL_PIECES=0` turns the fast path off (every call on DTensors).
 """
@@ -181,6 +184,15 @@ def _trial(model, original, args, kwargs, places, rows):
     return None
 
 
+def _on_every_process(ok, device_mesh):
+    """True where `ok` holds on every process of the mesh."""
+    flag = torch.tensor([1 if ok else 0])
+    for dim in range(device_mesh.ndim):
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                     group=device_mesh.get_group(dim))
+    return bool(flag.item())
+
+
 def _with_masks(outputs):
     """The tensors of `outputs`, each followed by its Keras mask if any."""
     found = []
@@ -250,12 +262,14 @@ def run_model_call(model, original, args, kwargs):
         return NOT_LOCAL
     if plan.trial is not None:
         # The first local call must give the trial's numbers exactly (a
-        # layer that reads the batch size as a number would not).
+        # layer that reads the batch size as a number would not), on every
+        # process: they must all take the same path.
         found = _with_masks(outputs)
-        if len(found) != len(plan.trial) or not all(
-                isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-                and a.shape == b.shape
-                and torch.equal(a.detach(), b) for a, b in zip(found, plan.trial)):
+        same = len(found) == len(plan.trial) and all(
+            isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            and a.shape == b.shape and torch.equal(a.detach(), b)
+            for a, b in zip(found, plan.trial))
+        if not _on_every_process(same, plan.mesh):
             _PLANS[model][_signature(args, kwargs)] = None
             return NOT_LOCAL
         plan.trial = None
