@@ -235,6 +235,21 @@ def test_a_sharded_weight_keeps_the_dtensor_path(digits):
         model.optimizer, model.trainable_variables) is None
 
 
+def test_signatures_tried_per_model_are_bounded(digits, monkeypatch):
+    """Shapes that keep changing (a trial call each) stay on DTensors past
+    MAX_SIGNATURES, still equal to one process."""
+    monkeypatch.setattr(local_pieces(), "MAX_SIGNATURES", 2)
+    x = digits[0]
+    model = data_parallel()
+    reference = build()
+    for rows in (8, 16, 24, 32):
+        np.testing.assert_allclose(
+            model.predict(x[:rows], batch_size=rows, verbose=0),
+            reference.predict(x[:rows], batch_size=rows, verbose=0),
+            rtol=1e-5, atol=1e-6)
+    assert list(local_pieces().local_plans(model).values()) == [True, True]
+
+
 def test_torch_style_loop_runs_locally_and_matches_one_process(digits):
     """forward, `loss.backward()`, `optimizer.apply` on packed batches of a
     replicated model."""

@@ -51,6 +51,8 @@ from keras_layoutmap.backends.torch.placement import contiguous_stride
 
 ENABLED = os.environ.get("KLM_TORCH_LOCAL_PIECES", "1") != "0"
 NOT_LOCAL = object()  # what a `run_*` returns when the call is not local
+# Input signatures tried per model; past them, new ones stay on DTensors.
+MAX_SIGNATURES = 32
 
 _PLANS = weakref.WeakKeyDictionary()  # model -> {signature: _Plan or None}
 _SCALARS = (bool, int, float, str, type(None))
@@ -209,6 +211,8 @@ def _plan_for(model, original, args, kwargs):
         return None
     plans = _PLANS.setdefault(model, {})
     plan = plans.get(key, NOT_LOCAL)
+    if plan is NOT_LOCAL and len(plans) >= MAX_SIGNATURES:
+        return None  # shapes that keep changing: a trial each would cost more
     if plan is NOT_LOCAL or (plan is not None and not plan.still_holds()):
         plan = plans[key] = _local_plan(model, original, args, kwargs)
     return plan
