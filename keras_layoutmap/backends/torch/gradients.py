@@ -12,7 +12,6 @@ process's local copies (`local_pieces.apply_locally`).
 import functools
 
 import torch
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from keras_layoutmap.backends.torch import local_pieces
@@ -119,7 +118,7 @@ def wrap_apply(original):
     def apply(self, grads, trainable_variables=None):
         variables = (trainable_variables if trainable_variables is not None
                      else getattr(self, "_trainable_variables", None))
-        if variables is None or in_stateless_scope():
+        if variables is None or local_pieces.APPLYING[0]:
             return original(self, grads, trainable_variables)
         pairs = list(zip(grads, variables))
         mesh = local_pieces.replicated_update_mesh(self, variables)

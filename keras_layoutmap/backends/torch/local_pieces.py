@@ -55,6 +55,7 @@ NOT_LOCAL = object()  # what a `run_*` returns when the call is not local
 MAX_SIGNATURES = 32
 
 _PLANS = weakref.WeakKeyDictionary()  # model -> {signature: _Plan or None}
+APPLYING = [False]  # set while `apply_locally` runs
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -303,8 +304,9 @@ def run_model_call(model, original, args, kwargs):
 
 def replicated_update_mesh(optimizer, variables):
     """The `DeviceMesh` that the optimizer's weights and variables are all
-    replicated on, or None (then it updates them on DTensors)."""
-    if not ENABLED or not optimizer.built:
+    replicated on, or None (then it updates them on DTensors, as in a
+    scope of the caller's own: `stateless_apply`)."""
+    if not ENABLED or not optimizer.built or in_stateless_scope():
         return None
     values = [getattr(v, "_value", None)
               for v in (*variables, *optimizer.variables)]
@@ -322,8 +324,12 @@ def apply_locally(optimizer, original, grads, variables):
     mapping = {id(v): v._value._local_tensor for v in state}
     scope = StatelessScope()
     scope.state_mapping = dict(mapping)
-    with scope:
-        result = original(optimizer, grads, variables)
+    APPLYING[0] = True  # an inner optimizer's apply (loss scaling) as it is
+    try:
+        with scope:
+            result = original(optimizer, grads, variables)
+    finally:
+        APPLYING[0] = False
     # What was updated in place is in the local tensors already; what was
     # assigned, the scope kept.
     with torch.no_grad():
