@@ -1,11 +1,11 @@
 """`fit` / `evaluate` / `predict` (and the `*_on_batch` methods) on a mesh.
 
 Each batch becomes DTensors by the distribution's data layout for that
-batch's shape (so a short last batch is split unevenly, exactly), Keras'
-own step runs on them (DTensor inserts the collectives: gradients of
-replicated weights are summed over the batch axis), gradients are laid out
-like their weights before the optimizer applies them, and what a step
-returns (metrics, predictions) comes back whole to every process.
+batch's shape, Keras' own step runs on them (DTensor inserts the
+collectives; a model whose weights are all replicated runs its layers on
+each process's rows instead: `local_pieces`), gradients are laid out like
+their weights before the optimizer applies them (`gradients`), and what a
+step returns (metrics, predictions) comes back whole to every process.
 
 Across processes, `auto_shard_dataset=True` means every process passes the
 same global data (each keeps its own rows); with `False` each passes its
