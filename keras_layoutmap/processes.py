@@ -34,6 +34,8 @@ import functools
 import os
 import tempfile
 
+import numpy as np
+
 from keras_layoutmap import backends
 
 
@@ -133,6 +135,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
     per_process = _devices_per_process()
     backend.join(cluster, total_devices=None if per_process is None
                  else per_process * cluster.num_processes)
+    _agree_on_random_state(backend)
     return cluster
 
 
@@ -153,6 +156,30 @@ def configure_devices(n):
             f"processes, {per_process * cluster.num_processes} devices in all."
         )
     backend.join(cluster, total_devices=n)
+    _agree_on_random_state(backend)
+
+
+def _agree_on_random_state(backend):
+    """Every process takes process 0's Python and NumPy random generators.
+
+    Keras draws a weight's default seed from Python's `random`, and an
+    unseeded process starts it from the OS: each process of a run would
+    make its own value for a weight every process holds replicated, and
+    train on a mesh whose copies disagree, with no error. Process 0's draws
+    are those one process would make, so a script gives the same weights on
+    one process and on several; one seeded before joining agrees already.
+    (The torch backend does the same for torch's generator when it joins.)
+    """
+    import pickle
+    import random
+
+    state = pickle.dumps((random.getstate(), np.random.get_state()))
+    mine = np.frombuffer(state, np.uint8)
+    sizes = backend.gather_process_batches(np.asarray([mine.size], np.int64))
+    first = backend.gather_process_batches(mine)[: int(sizes[0])]
+    python_state, numpy_state = pickle.loads(first.tobytes())
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 def devices_per_process(total_devices, cluster):

@@ -76,8 +76,9 @@ def assert_run_matches(run, weights, history):
 
 
 pytestmark_mp = pytest.mark.skipif(
-    not MULTI_PROCESS, reason="torch places nothing on a mesh yet; "
-    "test_torch_needs_one_process_per_device checks what it does")
+    not MULTI_PROCESS, reason="2 processes of 4 devices each: a torch process "
+    "holds one device; tests/test_torch_processes.py and the 4-process run "
+    "of nox -s tests-torch check torch across processes")
 
 
 @pytest.mark.processes
@@ -153,6 +154,34 @@ def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
     result = launch(2, "--devices-per-process", 4, script, tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [(tmp_path / r).read_text() for r in "01"] == ["2 8 4", "2 8 4"]
+
+
+@pytest.mark.processes
+def test_unseeded_processes_make_the_same_replicated_weights(tmp_path):
+    """No seed anywhere: every process still makes the same value for a
+    weight they all hold replicated (read from each process's own piece),
+    and draws the same Python and NumPy numbers, as process 0 would alone.
+    Before, each process drew its own weights and the replicas disagreed
+    with no error."""
+    devices = 2 if backends.name() == "torch" else 8
+    script = tmp_path / "unseeded.py"
+    script.write_text(
+        "import pathlib, random, sys\n"
+        "import numpy as np\n"
+        "import keras_layoutmap as klm\n"
+        f"klm.configure_virtual_devices({devices})\n"
+        "import keras\n"
+        "mesh = klm.create_mesh([('batch', len(klm.list_devices()))])\n"
+        "with klm.DataParallel(mesh).scope():\n"
+        "    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+        "piece = klm.unpack(model.layers[0].kernel)[0]\n"
+        "mine = keras.ops.convert_to_numpy(piece).round(6).tolist()\n"
+        "pathlib.Path(sys.argv[1], str(klm.process_index())).write_text(\n"
+        "    repr((mine, random.random(), float(np.random.rand()))))\n")
+    result = launch(2, script, tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = [(tmp_path / r).read_text() for r in "01"]
+    assert first == second
 
 
 @pytest.mark.processes

@@ -28,6 +28,7 @@ from keras_layoutmap.backends.jax.placement import (  # noqa: F401
 from keras_layoutmap.backends.jax.processes import (  # noqa: F401
     MULTI_PROCESS,
     barrier,
+    gather_process_batches,
     join,
     process_count,
     process_index,

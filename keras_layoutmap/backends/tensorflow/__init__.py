@@ -48,6 +48,7 @@ from keras_layoutmap.backends.tensorflow.placement import (  # noqa: F401
 from keras_layoutmap.backends.tensorflow.processes import (  # noqa: F401
     MULTI_PROCESS,
     barrier,
+    gather_process_batches,
     join,
     process_count,
     process_index,

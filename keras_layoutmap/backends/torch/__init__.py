@@ -41,6 +41,7 @@ from keras_layoutmap.backends.torch.processes import (  # noqa: F401
     MULTI_PROCESS,
     barrier,
     configure_virtual_devices,
+    gather_process_batches,
     join,
     list_devices,
     local_devices,

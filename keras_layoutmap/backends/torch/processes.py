@@ -15,6 +15,7 @@ import datetime
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -78,6 +79,12 @@ def join(cluster, total_devices=None):
         timeout=_timeout(),
     )
     sys.excepthook = _exit_at_once(sys.excepthook)
+    # Every process takes process 0's torch generator, as the generic join
+    # does for Python's and NumPy's (keras_layoutmap.processes): unseeded
+    # dropout draws its whole mask from it on every process.
+    generator = torch.random.get_rng_state()
+    dist.broadcast(generator, src=0)
+    torch.random.set_rng_state(generator)
 
 
 def _exit_at_once(excepthook):
@@ -140,6 +147,11 @@ def local_devices():
 def num_local_devices(mesh):
     mine = set(local_devices())
     return sum(str(d) in mine for d in mesh.devices.ravel())
+
+
+def gather_process_batches(local):
+    """`all_gather_rows` of a numpy array, as numpy (the backend interface)."""
+    return all_gather_rows(torch.from_numpy(np.ascontiguousarray(local))).numpy()
 
 
 def all_gather_rows(local):
