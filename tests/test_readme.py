@@ -27,10 +27,9 @@ def test_first_snippet_sets_the_backend_before_keras():
 
 @pytest.mark.processes
 @pytest.mark.training
-@pytest.mark.skipif(backends.name() == "torch",
-                    reason="the snippet trains on a mesh; the torch backend "
-                    "places nothing yet")
 def test_first_snippet_runs_as_pasted(tmp_path):
+    """On torch its 8 devices are 8 processes: the same file under
+    `python -m keras_layoutmap.launch -n 8`, as docs/torch.md says."""
     pytest.importorskip("sklearn", reason="the snippet loads scikit-learn's "
                         "digits; install the test extra")
     # The snippet as pasted, then checks that it trained and placed.
@@ -44,7 +43,11 @@ def test_first_snippet_runs_as_pasted(tmp_path):
     # A terminal wide enough that explain's table keeps each path on a line.
     env = dict(os.environ, KERAS_BACKEND=backends.name(), TF_CPP_MIN_LOG_LEVEL="3",
                COLUMNS="160")
-    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+    command = [sys.executable, str(script)]
+    if backends.name() == "torch":
+        command[1:1] = ["-m", "keras_layoutmap.launch", "-n", "8"]
+        env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(command, env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "SNIPPET OK" in result.stdout
