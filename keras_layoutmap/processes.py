@@ -32,6 +32,7 @@ True
 import dataclasses
 import functools
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -135,7 +136,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
     per_process = _devices_per_process()
     backend.join(cluster, total_devices=None if per_process is None
                  else per_process * cluster.num_processes)
-    _agree_on_random_state(backend)
+    _joined(backend)
     return cluster
 
 
@@ -156,7 +157,31 @@ def configure_devices(n):
             f"processes, {per_process * cluster.num_processes} devices in all."
         )
     backend.join(cluster, total_devices=n)
+    _joined(backend)
+
+
+def _joined(backend):
+    """What every process does once it joined a run of several."""
     _agree_on_random_state(backend)
+    if not getattr(sys.excepthook, "_klm_exits_at_once", False):
+        sys.excepthook = _exit_at_once(sys.excepthook)
+
+
+def _exit_at_once(excepthook):
+    """An uncaught error ends this process at once with status 1, after its
+    traceback. Left to the interpreter's shutdown, the runtime may keep it
+    waiting on peers stuck in a collective it will never join (JAX's
+    shutdown barrier, gloo), or abort it (torch's gloo threads, status
+    134); the launcher then sees no failure and nothing ends."""
+
+    def hook(kind, value, traceback):
+        excepthook(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    hook._klm_exits_at_once = True
+    return hook
 
 
 def _agree_on_random_state(backend):

@@ -13,7 +13,6 @@ the others as soon as one fails, so a timeout is the last resort.
 
 import datetime
 import os
-import sys
 
 import numpy as np
 import torch
@@ -78,27 +77,12 @@ def join(cluster, total_devices=None):
         rank=cluster.process_id,
         timeout=_timeout(),
     )
-    sys.excepthook = _exit_at_once(sys.excepthook)
     # Every process takes process 0's torch generator, as the generic join
     # does for Python's and NumPy's (keras_layoutmap.processes): unseeded
     # dropout draws its whole mask from it on every process.
     generator = torch.random.get_rng_state()
     dist.broadcast(generator, src=0)
     torch.random.set_rng_state(generator)
-
-
-def _exit_at_once(excepthook):
-    """An uncaught error ends this process at once with status 1, after its
-    traceback: left to the interpreter's shutdown, gloo's threads may abort
-    it (status 134) or keep it waiting on peers that are gone."""
-
-    def hook(kind, value, traceback):
-        excepthook(kind, value, traceback)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-    return hook
 
 
 def configure_virtual_devices(n):
