@@ -11,6 +11,7 @@ process whose peer died raises instead of waiting forever. The launcher ends
 the others as soon as one fails, so a timeout is the last resort.
 """
 
+import atexit
 import datetime
 import os
 
@@ -20,6 +21,11 @@ import torch.distributed as dist
 
 MULTI_PROCESS = True
 DEFAULT_TIMEOUT_SECONDS = 60
+
+
+def _leave():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _timeout():
@@ -77,6 +83,10 @@ def join(cluster, total_devices=None):
         rank=cluster.process_id,
         timeout=_timeout(),
     )
+    # A normal exit takes the group down first: left to the interpreter's
+    # shutdown, gloo's threads may abort the process (status 134). (An
+    # uncaught error exits at once instead: keras_layoutmap.processes.)
+    atexit.register(_leave)
     # Every process takes process 0's torch generator, as the generic join
     # does for Python's and NumPy's (keras_layoutmap.processes): unseeded
     # dropout draws its whole mask from it on every process.
