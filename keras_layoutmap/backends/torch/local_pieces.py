@@ -207,16 +207,17 @@ def _with_masks(outputs):
 
 
 def _plan_for(model, original, args, kwargs):
+    """The call's signature and its `_Plan` (None: not local)."""
     key = _signature(args, kwargs)
     if key is None:
-        return None
+        return key, None
     plans = _PLANS.setdefault(model, {})
     plan = plans.get(key, NOT_LOCAL)
     if plan is NOT_LOCAL and len(plans) >= MAX_SIGNATURES:
-        return None  # shapes that keep changing: a trial each would cost more
+        return key, None  # shapes that keep changing: a trial each costs more
     if plan is NOT_LOCAL or (plan is not None and not plan.still_holds()):
         plan = plans[key] = _local_plan(model, original, args, kwargs)
-    return plan
+    return key, plan
 
 
 def forget(model):
@@ -243,7 +244,7 @@ def run_model_call(model, original, args, kwargs):
     """`original(model, *args, **kwargs)` on the local pieces, or NOT_LOCAL."""
     if not ENABLED or in_stateless_scope() or not model.built:
         return NOT_LOCAL  # a first call builds the model, on DTensors
-    plan = _plan_for(model, original, args, kwargs)
+    key, plan = _plan_for(model, original, args, kwargs)
     if plan is None:
         return NOT_LOCAL
     grad = torch.is_grad_enabled()
@@ -263,7 +264,7 @@ def run_model_call(model, original, args, kwargs):
             or not torch.equal(generator, torch.random.get_rng_state())):
         # The data took the call somewhere the trial did not go.
         torch.random.set_rng_state(generator)
-        _PLANS[model][_signature(args, kwargs)] = None
+        _PLANS[model][key] = None
         return NOT_LOCAL
     if plan.trial is not None:
         # The first local call must give the trial's numbers exactly (a
@@ -275,7 +276,7 @@ def run_model_call(model, original, args, kwargs):
             and a.shape == b.shape and torch.equal(a.detach(), b)
             for a, b in zip(found, plan.trial))
         if not _on_every_process(same, plan.mesh):
-            _PLANS[model][_signature(args, kwargs)] = None
+            _PLANS[model][key] = None
             return NOT_LOCAL
         plan.trial = None
     local_rows = next(x for x in tree.flatten(local_args)
