@@ -171,9 +171,12 @@ def test_weights_move_between_meshes_and_no_distribution(tmp_path, digits, singl
     plain.load_weights(path)
     x = digits[0][:64]
     expected = single[0].predict(x, verbose=0)
+    # The kernels split by rows on `other` sum their partial products in
+    # another order: rounding follows the largest logits (~10), so a logit
+    # near 0 differs by up to 1.9e-6 on torch's 4 processes (measured).
     for m in (moved, plain):
         np.testing.assert_allclose(m.predict(x, verbose=0), expected, rtol=1e-5,
-                                   atol=1e-6)
+                                   atol=1e-5)
 
 
 def test_layer_kwargs_model_trains_with_fit(digits, single):
