@@ -242,6 +242,8 @@ def worker(args):
             stats.sort_stats("cumulative").print_stats(35)
             stats.sort_stats("tottime").print_stats(25)
             profile = out.getvalue()
+            if args.profile_stats:
+                stats.dump_stats(args.profile_stats)
 
     if rank == 0:
         result = {
@@ -279,6 +281,9 @@ def main():
     parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
                         help="cProfile's clock: CPU time of process 0 (default; "
                         "waits at collectives cost nothing) or wall time")
+    parser.add_argument("--profile-stats", metavar="FILE",
+                        help="also write the profile there (pstats), to look "
+                        "into with `python -m pstats FILE`")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -303,7 +308,9 @@ def main():
                    "--skip", str(args.skip), "--rounds", str(args.rounds),
                    "--hidden", str(args.hidden),
                    "--profile", str(args.profile),
-                   "--profile-clock", args.profile_clock]
+                   "--profile-clock", args.profile_clock,
+                   *(["--profile-stats", os.path.abspath(args.profile_stats)]
+                     if args.profile_stats else [])]
         done = subprocess.run(command, env=env, timeout=900, check=False)
         if done.returncode != 0:
             raise SystemExit(f"the worker processes failed ({done.returncode})")
