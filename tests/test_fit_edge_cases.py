@@ -32,7 +32,7 @@ def digits():
     return (x[:ROWS] / 16.0).astype("float32"), y[:ROWS].astype("int32")
 
 
-def build():
+def build(loss=None, loss_weights=None):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
@@ -43,26 +43,27 @@ def build():
         # scaled wrongly (summed over devices, loss scale left in, padding
         # counted) would barely show in the weights.
         optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss_weights=loss_weights,
         metrics=["accuracy"],
         weighted_metrics=["accuracy"],
     )
     return model
 
 
-def build_under(kind):
+def build_under(kind, *loss):
     """The model built on one device, under DataParallel over every device
     or under ModelParallel on a (batch, model 2) mesh."""
     if kind == "data_parallel":
         with klm.DataParallel(dp_mesh()).scope():
-            return build()
+            return build(*loss)
     mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"d1\.bias"] = ("model",)
     lm[r"d2\.kernel"] = ("model", None)
     with lm.scope():
-        return build()
+        return build(*loss)
 
 
 _ONE_DEVICE = {}
@@ -107,7 +108,7 @@ data = np.load(os.path.join(workdir, "data.npz"))
 x, y = data["x"], data["y"]
 
 
-def build():
+def build(loss=None, loss_weights=None):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     h = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
@@ -131,7 +132,7 @@ def build_under(kind):
     lm[r"d1\.bias"] = ("model",)
     lm[r"d2\.kernel"] = ("model", None)
     with lm.scope():
-        return build()
+        return build(*loss)
 
 
 class StopMidEpoch(keras.callbacks.Callback):
@@ -308,6 +309,57 @@ def test_sample_and_class_weights(kind, weighting, digits):
     # The weights changed the training: not a test that ignores them.
     unweighted, _ = one_device("unweighted", fit)
     assert not np.allclose(unweighted[0], ref_weights[0], rtol=1e-3, atol=1e-4)
+
+
+# -- Loss reductions -------------------------------------------------------------
+
+
+class BatchMeanPenalty(keras.losses.Loss):
+    """Looks across rows: cross-entropy plus a penalty on the batch's mean
+    logits."""
+
+    def call(self, y_true, y_pred):
+        values = keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True)
+        mean = keras.ops.mean(y_pred, axis=0)
+        return values + 0.1 * keras.ops.sum(keras.ops.square(mean))
+
+
+def _cross_entropy(reduction):
+    return lambda: keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction)
+
+
+# name: (loss, its weight). A sum over 64 rows weighs 1/64: SGD(0.1) on
+# the plain sum takes steps so large that rounding grows past float32's.
+LOSSES = {
+    "sum": (_cross_entropy("sum"), 1 / BATCH),
+    "mean_with_sample_weight": (_cross_entropy("mean_with_sample_weight"), None),
+    "a batch-mean penalty": (BatchMeanPenalty, None),
+}
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+def test_loss_reductions_and_a_loss_across_rows(kind, loss, weighted, digits):
+    """A summed loss, a mean over the sample weights and a loss that looks
+    across the batch (its batch mean summed over the devices), with and
+    without sample weights, the short last batch (14 rows, which the batch
+    axis does not divide) included: as on one device."""
+    x, y = digits
+    weights = {"sample_weight": _weights(y, "sample_weight")} if weighted else {}
+
+    def run(model):
+        return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                         verbose=0, **weights).history
+
+    make_loss, loss_weight = LOSSES[loss]
+    reference = build(make_loss(), loss_weight)
+    ref_history = run(reference)
+    ref_weights = [np.asarray(w) for w in reference.get_weights()]
+    history = run(model := build_under(kind, make_loss(), loss_weight))
+    assert_same(model, ref_weights, history, ref_history)
 
 
 # -- Mixed precision -------------------------------------------------------------
