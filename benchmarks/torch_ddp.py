@@ -95,6 +95,64 @@ def build_torch(torch, keras_model):
     return torch.nn.Sequential(*layers)
 
 
+def cpu_by_part(rounds, runs, steps):
+    """{part: {run: CPU ms per step on this process}}: each run's `fit`
+    repeated `rounds` times (the first dropped) with Keras' step parts
+    wrapped in `time.process_time()` counters. Nested parts are counted
+    in their own row too (the gradient all-reduce inside `optimizer.apply`)."""
+    import collections
+
+    import torch
+    from keras.src.backend.torch import trainer as keras_trainer
+    from keras.src.backend.torch.optimizers import torch_optimizer
+    from keras.src.metrics import reduction_metrics
+    from keras.src.models import model as keras_model
+
+    from keras_layoutmap.backends.torch import gradients, training
+
+    spent = collections.defaultdict(float)
+    wrapped = [
+        (keras_trainer.TorchTrainer, "train_step", "Keras' train_step"),
+        (keras_model.Model, "__call__", "model call"),
+        (keras_trainer.TorchTrainer, "_compute_loss", "loss"),
+        (torch.Tensor, "backward", "backward pass"),
+        (torch_optimizer.TorchOptimizer, "apply", "optimizer.apply"),
+        (gradients, "_sum_in_one", "  of which the gradient all-reduce"),
+        (reduction_metrics.Mean, "update_state", "loss tracker update"),
+        (reduction_metrics.Mean, "result", "loss tracker result"),
+        (training, "distribute_batch", "placing the batch"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def counted(function, part):
+        def run(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[part] += time.process_time() - start
+        return run
+
+    for (owner, name, part), (_, _, function) in zip(wrapped, originals):
+        setattr(owner, name, counted(function, part))
+    found = {part: {} for _, _, part in wrapped}
+    try:
+        for name, fit in runs.items():
+            totals = collections.defaultdict(float)
+            for i in range(rounds):
+                spent.clear()
+                fit()
+                if i:
+                    for part, seconds in spent.items():
+                        totals[part] += seconds
+            for _, _, part in wrapped:
+                found[part][name] = totals[part] / ((rounds - 1) * steps) * 1e3
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+    return found
+
+
 def worker(args):
     import cProfile
     import io
@@ -245,6 +303,16 @@ def worker(args):
             if args.profile_stats:
                 stats.dump_stats(args.profile_stats)
 
+    parts = None
+    if args.parts:
+        parts = cpu_by_part(args.parts, {
+            "klm": lambda: model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
+                                     shuffle=False, verbose=0),
+            "keras_alone": lambda: keras_alone.fit(
+                x[mine], y[mine], batch_size=local, epochs=1, shuffle=False,
+                verbose=0),
+        }, steps)
+
     if rank == 0:
         result = {
             "placement": placement,
@@ -261,6 +329,7 @@ def worker(args):
             "single_loss": single_loss,
             "ddp_diff": ddp_diff,
             "profile": profile,
+            "parts": parts,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -281,6 +350,10 @@ def main():
     parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
                         help="cProfile's clock: CPU time of process 0 (default; "
                         "waits at collectives cost nothing) or wall time")
+    parser.add_argument("--parts", type=int, default=0, metavar="N",
+                        help="then N more epochs of klm and of Keras alone "
+                        "(the first dropped) timing each part of the step "
+                        "(CPU time of process 0): where klm's time goes")
     parser.add_argument("--profile-stats", metavar="FILE",
                         help="also write the profile there (pstats), to look "
                         "into with `python -m pstats FILE`")
@@ -309,6 +382,7 @@ def main():
                    "--hidden", str(args.hidden),
                    "--profile", str(args.profile),
                    "--profile-clock", args.profile_clock,
+                   "--parts", str(args.parts),
                    *(["--profile-stats", os.path.abspath(args.profile_stats)]
                      if args.profile_stats else [])]
         done = subprocess.run(command, env=env, timeout=900, check=False)
@@ -361,6 +435,18 @@ def main():
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     console.print(f"(measured in {wall:.0f} s; load average at the end "
                   f"{load} on {cores} cores)")
+    if r["parts"]:
+        parts = Table(title=(
+            f"CPU per step by part, process 0 ({args.parts - 1} epochs of "
+            f"{args.skip + args.steps} steps each); cProfile inflates Python "
+            "code (DTensor's dispatch most), these are plain timers"))
+        for column in ("part", "klm (ms)", "Keras alone (ms)", "klm - Keras alone"):
+            parts.add_column(column, justify="left" if column == "part" else "right")
+        for part, by_run in r["parts"].items():
+            klm_ms, alone_ms = by_run["klm"], by_run["keras_alone"]
+            parts.add_row(part, f"{klm_ms:.2f}", f"{alone_ms:.2f}",
+                          f"{klm_ms - alone_ms:+.2f}")
+        console.print(parts)
     if r["profile"]:
         console.print(f"cProfile of process 0, {args.profile} klm steps, "
                       f"{args.profile_clock} time:")
