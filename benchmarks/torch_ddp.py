@@ -56,10 +56,18 @@ prints the functions that take the most time (cumulative and own): CPU
 time by default (`--profile-clock wall` for wall time, where waiting at a
 collective for the other processes shows up inside the collective).
 
+With `--parts N`, the klm model and the Keras-alone copy then each train N
+more epochs (the first dropped) with the parts of Keras' step wrapped in
+CPU-time counters (`time.process_time()`): the model call, the loss, the
+backward pass, `optimizer.apply` and the gradient all-reduce inside it, the
+loss tracker and placing the batch, side by side. Use it to see where klm's
+time goes: cProfile inflates Python code, DTensor's dispatch most of all,
+and so overstates what running it elsewhere would save.
+
 Goal: median step time klm / DDP <= 1.2.
 
 Run: python benchmarks/torch_ddp.py [--steps 40] [--rounds 4] [--hidden 512]
-[--profile 20]
+[--parts 4] [--profile 20 [--profile-stats FILE]]
 """
 
 import argparse
