@@ -368,6 +368,8 @@ def main():
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.parts == 1:
+        parser.error("--parts N drops the first of its N epochs: give 2 or more")
     if args.worker:
         worker(args)
         return
