@@ -1,8 +1,9 @@
 """`model.fit` on a mesh under faults and odd input, each checked against one
 device from the same seed: a process killed mid-epoch and resumed with
 BackupAndRestore (also a model-parallel backup resumed data-parallel), a batch
-smaller than the batch axis, sample and class weights, batches of varying
-size from a Python generator, and mixed precision."""
+smaller than the batch axis, sample and class weights, loss reductions and a
+loss that looks across the batch, batches of varying size from a Python
+generator, and mixed precision."""
 
 import json
 import os
@@ -51,19 +52,19 @@ def build(loss=None, loss_weights=None):
     return model
 
 
-def build_under(kind, *loss):
+def build_under(kind, loss=None, loss_weights=None):
     """The model built on one device, under DataParallel over every device
     or under ModelParallel on a (batch, model 2) mesh."""
     if kind == "data_parallel":
         with klm.DataParallel(dp_mesh()).scope():
-            return build(*loss)
+            return build(loss, loss_weights)
     mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"d1\.bias"] = ("model",)
     lm[r"d2\.kernel"] = ("model", None)
     with lm.scope():
-        return build(*loss)
+        return build(loss, loss_weights)
 
 
 _ONE_DEVICE = {}
