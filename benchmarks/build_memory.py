@@ -1,10 +1,14 @@
-"""Peak host memory while building a weight of 2 GiB sharded 8 ways, over
-the weight's size (issue: weights born sharded; goal <= 1.25, physical 1.0).
+"""Peak host memory while building a weight of 2 GiB sharded 8 ways (4 on
+torch), over the weight's size (issue: weights born sharded; goal <= 1.25,
+physical 1.0).
 
-    python benchmarks/build_memory.py            # JAX and TensorFlow, if installed
+    python benchmarks/build_memory.py            # every backend installed
     python benchmarks/build_memory.py --gib 0.5  # a smaller weight
 
-Each case runs in a fresh process (peak RSS, `VmHWM`, is per process):
+Each case runs in a fresh process (peak RSS, `VmHWM`, is per process). On
+torch a mesh spans processes, one device each: the sharded cases run in 4
+processes under `python -m keras_layoutmap.launch -n 4`, and the figure is
+the largest process's peak (1/4 of the weight is what each one keeps).
 
 - `klm`: an `Embedding` of `--gib` GiB built under `LayoutMap.scope()`,
   its table sharded over 8 devices: born sharded, each device making its
@@ -25,18 +29,21 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 CASE = r'''
 import os, sys, time
 backend, case, gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
 os.environ["KERAS_BACKEND"] = backend
+devices = TORCH_PROCESSES if backend == "torch" else 8
 def peak_gib():
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM"):
                 return int(line.split()[1]) / 2**20
 import keras_layoutmap as klm
-klm.configure_virtual_devices(8)
+if backend != "torch" or case != "one device":
+    klm.configure_virtual_devices(devices)
 import keras
 import numpy as np
 dim = 1024
@@ -49,14 +56,16 @@ if case == "rng only":
     value.block_until_ready()
 else:
     if case == "klm whole":  # switch the born-sharded path off
-        if backend == "jax":
-            from keras_layoutmap.backends.jax import initialization
+        if backend in ("jax", "torch"):
+            from importlib import import_module
+            initialization = import_module(
+                f"keras_layoutmap.backends.{backend}.initialization")
             initialization.born_sharded = lambda *args, **kwargs: None
         else:
             from keras_layoutmap.backends.tensorflow import initialization
             initialization.MIN_BYTES = float("inf")
     if case in ("klm", "klm whole"):
-        layout_map = klm.LayoutMap(klm.create_mesh([("model", 8)]))
+        layout_map = klm.LayoutMap(klm.create_mesh([("model", devices)]))
         layout_map[r"emb\.embeddings"] = ("model", None)
         with layout_map.scope():
             layer = keras.layers.Embedding(rows, dim, name="emb")
@@ -81,7 +90,19 @@ print(f"{(peak_gib() - base) / weight:.2f} {seconds:.1f} {weight:.2f}")
 '''
 
 CASES = {"jax": ["klm", "klm whole", "keras", "one device", "rng only"],
-         "tensorflow": ["klm", "klm whole", "one device"]}
+         "tensorflow": ["klm", "klm whole", "one device"],
+         "torch": ["klm", "klm whole", "one device"]}
+TORCH_PROCESSES = 4
+
+
+def command(script, backend, case, gib):
+    """The command line of one case (`script`: CASE's file): on torch a
+    sharded case runs once per process under the launcher."""
+    run = [script, backend, case, str(gib)]
+    if backend == "torch" and case != "one device":
+        return [sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                str(TORCH_PROCESSES), *run]
+    return [sys.executable, *run]
 
 
 def installed(backend):
@@ -92,30 +113,46 @@ def installed(backend):
     return True
 
 
+def _figures(stdout):
+    """`(ratio, seconds)`: the largest over the processes' result lines."""
+    rows = []
+    for line in stdout.splitlines():
+        try:
+            rows.append([float(x) for x in line.split()])
+        except ValueError:
+            continue
+    rows = [row for row in rows if len(row) == 3]
+    return max(r[0] for r in rows), max(r[1] for r in rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=2.0,
                         help="size of the weight in GiB (default 2)")
     opts = parser.parse_args()
     print(f"peak host memory over the weight's size, building a {opts.gib:g} "
-          "GiB Embedding (8 devices where sharded)")
+          f"GiB Embedding (sharded over 8 devices; torch: {TORCH_PROCESSES} "
+          "processes, the largest one's peak)")
     print(f"{'backend':12}{'case':14}{'peak / weight':>14}{'build (s)':>11}")
-    for backend, cases in CASES.items():
-        if not installed(backend):
-            print(f"{backend:12}(not installed)")
-            continue
-        for case in cases:
-            result = subprocess.run(
-                [sys.executable, "-c", CASE, backend, case, str(opts.gib)],
-                capture_output=True, text=True, timeout=1200,
-                env={"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ})
-            if result.returncode:
-                print(f"{backend:12}{case:14}failed: "
-                      f"{result.stderr.strip().splitlines()[-1]}")
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "case.py")
+        with open(script, "w") as f:
+            f.write(CASE.replace("TORCH_PROCESSES", str(TORCH_PROCESSES)))
+        for backend, cases in CASES.items():
+            if not installed(backend):
+                print(f"{backend:12}(not installed)")
                 continue
-            ratio, seconds, _ = result.stdout.split()[-3:]
-            print(f"{backend:12}{case:14}{float(ratio):>14.2f}"
-                  f"{float(seconds):>11.1f}")
+            for case in cases:
+                result = subprocess.run(
+                    command(script, backend, case, opts.gib),
+                    capture_output=True, text=True, timeout=1200,
+                    env={"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ})
+                if result.returncode:
+                    print(f"{backend:12}{case:14}failed: "
+                          f"{result.stderr.strip().splitlines()[-1]}")
+                    continue
+                ratio, seconds = _figures(result.stdout)
+                print(f"{backend:12}{case:14}{ratio:>14.2f}{seconds:>11.1f}")
 
 
 if __name__ == "__main__":

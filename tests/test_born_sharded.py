@@ -1,31 +1,28 @@
 """Weights born sharded: a weight made under a distribution is made on the
-mesh shard by shard, never whole on one device first. On JAX its values
-equal a one-device init with the same seed; on TensorFlow DTensor draws
-each shard from a seed of its own (docs/getting-started.md), so only the
-layout, the range and the constant initializers are compared there."""
+mesh shard by shard, never whole on one device first. On JAX and torch its
+values equal a one-device init with the same seed; on TensorFlow DTensor
+draws each shard from a seed of its own (docs/getting-started.md), so only
+the layout, the range and the constant initializers are compared there."""
 
 import keras
 import numpy as np
 import pytest
+from conftest import mp_mesh
 
 import keras_layoutmap as klm
 
-pytestmark = [
-    pytest.mark.sharding,
-    pytest.mark.skipif(
-        keras.backend.backend() == "torch",
-        reason="not built on torch: each process makes the whole weight, then "
-        "keeps its piece (docs/torch.md)"),
-]
+pytestmark = pytest.mark.sharding
 
 JAX = keras.backend.backend() == "jax"
+# Backends whose born-sharded values equal one device's, bit for bit.
+EXACT = keras.backend.backend() in ("jax", "torch")
 
 
 @pytest.fixture(autouse=True)
 def _every_weight_born_sharded(monkeypatch):
     # TensorFlow makes only weights of at least MIN_BYTES on the mesh (the
     # smaller keep one device's values); here every weight is.
-    if not JAX:
+    if keras.backend.backend() == "tensorflow":
         from keras_layoutmap.backends.tensorflow import initialization
 
         monkeypatch.setattr(initialization, "MIN_BYTES", 0)
@@ -33,13 +30,13 @@ def _every_weight_born_sharded(monkeypatch):
 
 @pytest.fixture
 def mesh():
-    return klm.create_mesh([("batch", 4), ("model", 2)])
+    return mp_mesh()  # (batch 4, model 2); (2, 2) on torch's 4 processes
 
 
 def host(x):
     layout = klm.fetch_layout(x)
     whole = klm.distribute(x, klm.Layout.replicated(layout.mesh, layout.rank))
-    return np.asarray(klm.unpack(whole)[0])
+    return keras.ops.convert_to_numpy(klm.unpack(whole)[0])
 
 
 # name -> (a fresh initializer, (low, high) bounds of its values or None)
@@ -118,7 +115,7 @@ def test_values_and_layout(mesh, name, shape, axes, monkeypatch):
     assert klm.fetch_layout(weight) == klm.Layout(axes, mesh)
     value = host(weight)
     one_device = np.asarray(INITIALIZERS[name][0]()(shape, "float32"))
-    if JAX or name in CONSTANT:
+    if EXACT or name in CONSTANT:
         np.testing.assert_array_equal(value, one_device)
     bounds = INITIALIZERS[name][1]
     if bounds is not None:
@@ -136,22 +133,25 @@ def test_half_precision(mesh, name, dtype, monkeypatch):
     assert whole == []
     assert keras.backend.standardize_dtype(weight.dtype) == dtype
     value = host(weight).astype("float32")
-    one_device = np.asarray(
+    one_device = keras.ops.convert_to_numpy(
         INITIALIZERS[name][0]()((24, 10), dtype)).astype("float32")
-    if JAX:
+    if EXACT:
         np.testing.assert_array_equal(value, one_device)
     else:
         assert np.abs(value).max() < 10
 
 
-@pytest.mark.skipif(not JAX, reason="JAX draws each shard in blocks; "
-                    "DTensor draws a shard whole")
+@pytest.mark.skipif(not EXACT, reason="JAX and torch draw a shard in "
+                    "blocks; TensorFlow's DTensor draws it whole")
 @pytest.mark.parametrize("block", [5, 7, 64, 1 << 20])
 @pytest.mark.parametrize("name", ["random_normal", "truncated_normal",
-                                  "glorot_uniform"])
+                                  "glorot_uniform", "random_uniform"])
 def test_blocks_that_do_and_do_not_divide_the_shard(mesh, name, block,
                                                     monkeypatch):
-    from keras_layoutmap.backends.jax import initialization
+    if JAX:
+        from keras_layoutmap.backends.jax import initialization
+    else:
+        from keras_layoutmap.backends.torch import initialization
 
     monkeypatch.setattr(initialization, "BLOCK_ELEMENTS", block)
     for shape, axes in SHAPES:
@@ -175,7 +175,7 @@ def test_seed_generator_advances_as_on_one_device(mesh):
     np.testing.assert_array_equal(np.asarray(seed.state.value),
                                   np.asarray(one_seed.state.value))
     assert not np.array_equal(host(first), host(second))
-    if JAX:
+    if EXACT:
         np.testing.assert_array_equal(host(first), one_first)
         np.testing.assert_array_equal(host(second), one_second)
 
@@ -207,7 +207,7 @@ def test_layer_kwargs_and_set_distribution(mesh, monkeypatch):
     assert klm.fetch_layout(embedding.embeddings) == klm.Layout(
         ["model", None], mesh)
     assert whole == []
-    if JAX:
+    if EXACT:
         np.testing.assert_array_equal(
             host(dense.kernel),
             np.asarray(keras.initializers.GlorotNormal(seed=1)((12, 8))))
@@ -239,3 +239,52 @@ def test_an_initializer_not_covered_is_made_whole_then_split(mesh):
         host(weight),
         np.asarray(keras.initializers.Orthogonal(seed=3)((8, 6))),
         rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="torch walks the generator's stream in blocks of "
+                    "plain torch draws; JAX's blocks are compiled, "
+                    "TensorFlow's shards drawn by DTensor")
+@pytest.mark.parametrize("name", ["random_uniform", "random_normal",
+                                  "truncated_normal"])
+def test_torch_draws_a_block_at_a_time(mesh, name, monkeypatch):
+    import torch
+
+    from keras_layoutmap.backends.torch import initialization
+
+    monkeypatch.setattr(initialization, "BLOCK_ELEMENTS", 64)
+    sizes = []
+
+    def spy(original):
+        def draw(*args, **kwargs):
+            value = original(*args, **kwargs)
+            sizes.append(value.numel())
+            return value
+
+        return draw
+
+    for kind in ("rand", "normal"):
+        monkeypatch.setattr(torch, kind, spy(getattr(torch, kind)))
+    weight = _build(name, (64, 40), [None, "model"], mesh)
+    monkeypatch.undo()
+    # Every process walks the whole stream (its columns are in every row),
+    # a block of 64 elements at a time (4 normals each for a truncated
+    # normal): never the 2560 elements of the weight at once.
+    per = 4 if name == "truncated_normal" else 1
+    assert sizes and max(sizes) == 64 * per and sum(sizes) == 2560 * per
+    assert tuple(weight.value.to_local().shape) == (64, 20)
+    np.testing.assert_array_equal(
+        host(weight), keras.ops.convert_to_numpy(
+            INITIALIZERS[name][0]()((64, 40), "float32")))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch"
+                    or len(klm.list_devices()) != 4,
+                    reason="the example is written for torch's 4 processes")
+def test_torch_docstring_example():
+    import doctest
+
+    from keras_layoutmap.backends.torch import initialization
+
+    result = doctest.testmod(initialization, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

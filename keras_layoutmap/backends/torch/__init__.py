@@ -2,7 +2,8 @@
 
 A mesh spans processes, one CPU device each (gloo): `processes` joins them,
 `placement` turns meshes and layouts into `DeviceMesh` and DTensor
-placements, `variables` makes Keras variables DTensor parameters, and
+placements, `variables` makes Keras variables DTensor parameters
+(`initialization`: born sharded), and
 `training` feeds DTensor batches to Keras' own steps. This module is the
 backend interface (see `keras_layoutmap/backends/__init__.py`) and
 `install()`.
@@ -72,6 +73,9 @@ def install():
         logging.ERROR)
     Variable = keras_torch_core.Variable
     Variable._initialize = variables.wrap_initialize(Variable._initialize)
+    Variable._initialize_with_initializer = (
+        variables.wrap_initialize_with_initializer(
+            Variable._initialize_with_initializer))
     Variable._direct_assign = variables.wrap_direct_assign(Variable._direct_assign)
     convert_to_numpy = placement.wrap_convert_to_numpy(
         keras_torch_core.convert_to_numpy)

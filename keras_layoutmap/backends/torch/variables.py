@@ -117,3 +117,21 @@ def _layout_of(value):
 
     axes, mesh = fetch_layout(value)
     return Layout(axes, mesh)
+
+
+def wrap_initialize_with_initializer(original):
+    """A variable whose layout splits it is made by `born_sharded` when its
+    initializer is covered: each process makes only its shard."""
+
+    def _initialize_with_initializer(self, initializer):
+        from keras_layoutmap.backends.torch.initialization import born_sharded
+
+        layout = _layout_for(self)
+        if _placed(layout):
+            value = born_sharded(initializer, self._shape, self._dtype, layout)
+            if value is not None:
+                self._value = _parameter(self, value)
+                return
+        original(self, initializer)
+
+    return _initialize_with_initializer

@@ -1,0 +1,284 @@
+"""Weights born sharded on torch: each process makes only its own shard,
+and the values equal a one-device draw with the same seed.
+
+Keras' torch initializers draw from a fresh `torch.Generator` seeded from
+the initializer's seed: a Mersenne Twister, whose numbers come one after
+another and cannot be jumped over. ATen's CPU kernels consume that stream
+element by element (`rand`: one draw per element; `normal`: one per
+element, turned into normals 16 at a time, the last 16 redrawn when the
+size is not a multiple of 16), so a draw made in consecutive blocks, each
+a multiple of 16 elements and the last at least 16, gives the very numbers
+of one whole draw. Each process here walks the stream in blocks of
+`BLOCK_ELEMENTS`, up to the last element it owns, and keeps the elements
+of its shard (they come in the shard's own row-major order): the working
+memory is one block besides the shard, whatever the weight's size. The time
+is that of drawing the weight whole, at most.
+
+Covered: a variable whose initializer is a single `keras.random` draw
+(`RandomUniform`, `RandomNormal`, `TruncatedNormal`, `VarianceScaling` and
+the Glorot / He / LeCun initializers built on it, or any initializer that
+returns one `keras.random.uniform`, `normal` or `truncated_normal`
+untouched), and `Zeros`, `Ones` or a scalar `Constant` (filled shard by
+shard). Any other initializer (`Orthogonal`, `Identity`, your own that
+transforms a draw) takes the old path: made whole, then split.
+
+Example (in each of the 4 processes of `python -m keras_layoutmap.launch
+-n 4`):
+
+>>> import keras, numpy as np, keras_layoutmap as klm
+>>> from keras_layoutmap.backends.torch.initialization import born_sharded
+>>> layout = klm.Layout(["model", None], klm.create_mesh([("model", 4)]))
+>>> init = keras.initializers.GlorotUniform(seed=7)
+>>> value = born_sharded(init, (8, 3), "float32", layout)
+>>> value.to_local().shape  # this process's 2 rows
+torch.Size([2, 3])
+>>> bool(np.array_equal(value.full_tensor(), init((8, 3), "float32")))
+True
+"""
+
+import inspect
+import math
+import threading
+
+import numpy as np
+import torch
+from keras.src import initializers as keras_initializers
+from keras.src.backend import config as keras_config
+from keras.src.backend import standardize_dtype
+from keras.src.backend.torch import core as keras_torch_core
+from keras.src.backend.torch import random as keras_torch_random
+from torch.distributed.tensor import DTensor, Shard
+
+from keras_layoutmap.backends.torch.placement import (
+    contiguous_stride,
+    local_slices,
+    placements,
+    to_device_mesh,
+)
+
+# Elements drawn at once: the working memory beside the shard is a few
+# times this, in bytes.
+BLOCK_ELEMENTS = 1 << 20
+_KINDS = ("uniform", "normal", "truncated_normal")
+_PARAMS = {"uniform": ("minval", "maxval"),
+           "normal": ("mean", "stddev"),
+           "truncated_normal": ("mean", "stddev")}
+# Normals ATen makes per element of each kind: a truncated normal picks
+# from 4. A block of normals is a multiple of 16, the last at least 16.
+_NORMALS_PER_ELEMENT = {"uniform": 0, "normal": 1, "truncated_normal": 4}
+_RECORDING = threading.Lock()
+
+
+class _Draw:
+    """One `keras.random` draw an initializer made: its kind, parameters,
+    seed and dtype, and the placeholder it returned."""
+
+    def __init__(self, kind, shape, dtype, params, seed, placeholder):
+        self.kind = kind
+        self.shape = shape
+        self.dtype = dtype
+        self.params = params
+        self.seed = seed
+        self.placeholder = placeholder
+
+
+def _number(x):
+    return type(x) in (int, float)
+
+
+def record_draw(initializer, shape, dtype):
+    """The single draw `initializer(shape, dtype)` returns untouched, found
+    by calling it with `keras.random`'s torch functions replaced by
+    recorders that return an empty tensor on the meta device (no memory);
+    None for anything else. The seed is not drawn here: a `SeedGenerator`
+    advances once, when the shard is made."""
+    draws = []
+
+    def recorder(kind):
+        def draw(shape, *args, dtype=None, seed=None, **kwargs):
+            params = dict(zip(_PARAMS[kind], args))
+            params.update(kwargs)
+            dtype = standardize_dtype(dtype or keras_config.floatx())
+            placeholder = torch.empty(
+                tuple(shape), dtype=keras_torch_core.to_torch_dtype(dtype),
+                device="meta")
+            draws.append(_Draw(kind, tuple(shape), dtype, params, seed,
+                               placeholder))
+            return placeholder
+
+        return draw
+
+    with _RECORDING:
+        saved = {kind: getattr(keras_torch_random, kind) for kind in _KINDS}
+        try:
+            for kind in _KINDS:
+                setattr(keras_torch_random, kind, recorder(kind))
+            value = initializer(shape, dtype=dtype)
+        except Exception:  # an initializer that needs real numbers
+            return None
+        finally:
+            for kind, function in saved.items():
+                setattr(keras_torch_random, kind, function)
+    if len(draws) != 1 or value is not draws[0].placeholder:
+        return None
+    draw = draws[0]
+    if draw.shape != tuple(shape) or not all(
+            _number(v) for v in draw.params.values()):
+        return None
+    return draw
+
+
+# -- the stream, block by block --
+
+
+def _block_maker(draw, generator):
+    """`make(n)`: the next `n` elements of Keras' draw, as a flat tensor,
+    taking from `generator` what the whole draw takes for them
+    (`keras.src.backend.torch.random`'s arithmetic, applied per block)."""
+    dtype = keras_torch_core.to_torch_dtype(draw.dtype)
+    params = draw.params
+    if draw.kind == "uniform":
+        low, high = params.get("minval", 0.0), params.get("maxval", 1.0)
+
+        def make(n):
+            return (high - low) * torch.rand(
+                n, generator=generator, dtype=dtype) + low
+    elif draw.kind == "normal":
+        mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
+
+        def make(n):
+            return torch.normal(mean, stddev, size=(n,), generator=generator,
+                                dtype=dtype)
+    else:
+        mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
+
+        def make(n):
+            x = torch.normal(0, 1, size=(n, 4), generator=generator,
+                             dtype=dtype)
+            valid = (x > -2) & (x < 2)
+            indexes = valid.max(-1, keepdim=True)[1]
+            out = torch.empty(n, dtype=dtype)
+            out.copy_(x.gather(-1, indexes).squeeze(-1))
+            return out.mul_(stddev).add_(mean)
+
+    return make
+
+
+def owned_runs(shape, box):
+    """`(starts, length)`: the flat (row-major) offsets where this process's
+    runs of consecutive elements begin, ascending, and their common length,
+    for the shard `box` (a slice per dimension) of a tensor of `shape`."""
+    sizes = [s.stop - s.start for s in box]
+    if 0 in sizes:
+        return np.zeros(0, np.int64), 0
+    cut = [d for d, (n, size) in enumerate(zip(shape, sizes)) if size != n]
+    if not cut:
+        return np.zeros(1, np.int64), math.prod(shape)
+    last = cut[-1]
+    strides = contiguous_stride(tuple(shape))
+    starts = np.array(box[last].start * strides[last], np.int64)
+    for d in range(last):  # row-major over the dimensions before `last`
+        starts = np.add.outer(starts, (box[d].start + np.arange(
+            sizes[d], dtype=np.int64)) * strides[d])
+    return np.ravel(starts), sizes[last] * strides[last]
+
+
+def _kept(starts, length, p, q):
+    """The offsets within `[p, q)` of the owned elements there, in order:
+    a slice when one run covers them, else an index tensor."""
+    first = np.searchsorted(starts + length, p, side="right")
+    end = np.searchsorted(starts, q, side="left")
+    if end <= first:
+        return None
+    lo = np.maximum(starts[first:end], p) - p
+    hi = np.minimum(starts[first:end] + length, q) - p
+    if end - first == 1:
+        return slice(int(lo[0]), int(hi[0]))
+    counts = hi - lo
+    index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(
+        lo - (np.cumsum(counts) - counts), counts)
+    return torch.from_numpy(index)
+
+
+def draw_shard(draw, generator, shape, box):
+    """This process's shard (`box`) of Keras' whole draw of `shape`, made by
+    walking the generator's stream in blocks."""
+    starts, length = owned_runs(shape, box)
+    local_shape = tuple(s.stop - s.start for s in box)
+    dtype = keras_torch_core.to_torch_dtype(draw.dtype)
+    out = torch.empty(math.prod(local_shape), dtype=dtype)
+    if starts.size == 0:
+        return out.reshape(local_shape)
+    total = math.prod(shape)
+    per = _NORMALS_PER_ELEMENT[draw.kind]
+    align = 16 // per if per else 1
+    block = max(align, BLOCK_ELEMENTS // align * align)
+    end = int(starts[-1]) + length
+    make = _block_maker(draw, generator)
+    p = cursor = 0
+    while p < end:
+        q = min(p + block, total)
+        if per and q < total and (total - q) * per < 16:
+            q = total  # the last block holds the last 16 normals
+        values = make(q - p)
+        kept = _kept(starts, length, p, q)
+        if kept is not None:
+            piece = values[kept]
+            out[cursor:cursor + piece.numel()] = piece
+            cursor += piece.numel()
+        p = q
+    return out.reshape(local_shape)
+
+
+def _constant(initializer):
+    """The scalar a `Zeros`, `Ones` or scalar `Constant` fills with."""
+    kind = type(initializer)
+    if kind in (keras_initializers.Zeros, keras_initializers.Ones):
+        return 0 if kind is keras_initializers.Zeros else 1
+    if kind is keras_initializers.Constant:
+        value = initializer.value
+        if _number(value) or (isinstance(value, np.ndarray)
+                              and value.ndim == 0):
+            return value
+    return None
+
+
+def _takes_layout(initializer):
+    try:
+        return "layout" in inspect.signature(initializer).parameters
+    except (TypeError, ValueError):
+        return True
+
+
+def born_sharded(initializer, shape, dtype, layout):
+    """`initializer(shape, dtype)` as a DTensor with `layout` (a
+    `klm.Layout` that splits some dimension), each process making only its
+    shard; None when the initializer is not covered (see the module
+    docstring) or the weight is not split: the caller then makes it whole."""
+    shape = tuple(int(n) for n in shape)
+    dtype = standardize_dtype(dtype)
+    torch_dtype = keras_torch_core.to_torch_dtype(dtype)
+    places = placements(layout)
+    if (not shape or not torch_dtype.is_floating_point
+            or not any(isinstance(p, Shard) for p in places)
+            or str(keras_torch_core.get_device()) != "cpu"):
+        return None
+    constant = _constant(initializer)
+    draw = None
+    if constant is None:
+        if _takes_layout(initializer):  # it places its own output
+            return None
+        draw = record_draw(initializer, shape, dtype)
+        if draw is None or draw.dtype != dtype:
+            return None
+    device_mesh = to_device_mesh(layout.mesh)
+    box = local_slices(shape, device_mesh, places)
+    if constant is not None:
+        local = torch.full(tuple(s.stop - s.start for s in box), constant,
+                           dtype=torch_dtype)
+    else:
+        # Keras' own seeding: a SeedGenerator advances here, once.
+        generator = keras_torch_random.torch_seed_generator(draw.seed)
+        local = draw_shard(draw, generator, shape, box)
+    return DTensor.from_local(local, device_mesh, places, run_check=False,
+                              shape=shape, stride=contiguous_stride(shape))
