@@ -120,16 +120,18 @@ def bench(session):
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",
-                   "processes.py", "build_memory.py", "fsdp.py"):
+                   "processes.py", "fsdp.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
     for script in ("memory.py", "tf_data_parallel.py", "processes.py", "fsdp.py"):
         session.run("python", f"benchmarks/{script}",
                     env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
     session.run("python", "benchmarks/backends.py")
     # torch: 4 processes under the launcher (the scripts set KERAS_BACKEND
-    # and OMP_NUM_THREADS for their workers); backends_torch.py runs all three.
+    # and OMP_NUM_THREADS for their workers); backends_torch.py and
+    # build_memory.py run all three.
     session.install(TORCH)
-    for script in ("torch_ddp.py", "torch_memory.py", "backends_torch.py"):
+    for script in ("torch_ddp.py", "torch_memory.py", "backends_torch.py",
+                   "build_memory.py"):
         session.run("python", f"benchmarks/{script}")
 
 

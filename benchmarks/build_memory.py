@@ -27,6 +27,7 @@ the largest process's peak (1/4 of the weight is what each one keeps).
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,20 @@ def _figures(stdout):
     return max(r[0] for r in rows), max(r[1] for r in rows)
 
 
+def _failure(result):
+    """Why a case failed: a signal (the launcher returns the failing
+    process's status; SIGKILL is most often the kernel out of memory), or
+    its last error line."""
+    status = result.returncode
+    if status < 0 or status in (128 + signal.SIGKILL, 128 + signal.SIGTERM):
+        number = -status if status < 0 else status - 128
+        name = signal.Signals(number).name
+        return f"{name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    lines = [line for line in result.stderr.strip().splitlines()
+             if "Error" in line] or result.stderr.strip().splitlines()[-1:]
+    return lines[-1] if lines else f"status {status}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=2.0,
@@ -149,7 +164,7 @@ def main():
                     env={"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ})
                 if result.returncode:
                     print(f"{backend:12}{case:14}failed: "
-                          f"{result.stderr.strip().splitlines()[-1]}")
+                          f"{_failure(result)}")
                     continue
                 ratio, seconds = _figures(result.stdout)
                 print(f"{backend:12}{case:14}{ratio:>14.2f}{seconds:>11.1f}")

@@ -131,37 +131,45 @@ def record_draw(initializer, shape, dtype):
 # -- the stream, block by block --
 
 
-def _block_maker(draw, generator):
-    """`make(n)`: the next `n` elements of Keras' draw, as a flat tensor,
-    taking from `generator` what the whole draw takes for them
-    (`keras.src.backend.torch.random`'s arithmetic, applied per block)."""
+def _stream(draw, generator):
+    """`(take, finish)`: `take(n)` draws the next `n` elements' raw numbers
+    from `generator`, as the whole draw takes them; `finish(raw, into)`
+    writes Keras' values of those kept into the tensor `into`
+    (`keras.src.backend.torch.random`'s arithmetic, element by element, so
+    it may run on the kept ones only)."""
     dtype = keras_torch_core.to_torch_dtype(draw.dtype)
     params = draw.params
     if draw.kind == "uniform":
         low, high = params.get("minval", 0.0), params.get("maxval", 1.0)
 
-        def make(n):
-            return (high - low) * torch.rand(
-                n, generator=generator, dtype=dtype) + low
+        def take(n):
+            return torch.rand(n, generator=generator, dtype=dtype)
+
+        def finish(raw, into):
+            torch.mul(raw, high - low, out=into).add_(low)
     elif draw.kind == "normal":
         mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
 
-        def make(n):
+        def take(n):
             return torch.normal(mean, stddev, size=(n,), generator=generator,
                                 dtype=dtype)
+
+        def finish(raw, into):
+            into.copy_(raw)
     else:
         mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
 
-        def make(n):
-            x = torch.normal(0, 1, size=(n, 4), generator=generator,
-                             dtype=dtype)
-            valid = (x > -2) & (x < 2)
-            indexes = valid.max(-1, keepdim=True)[1]
-            out = torch.empty(n, dtype=dtype)
-            out.copy_(x.gather(-1, indexes).squeeze(-1))
-            return out.mul_(stddev).add_(mean)
+        def take(n):
+            return torch.normal(0, 1, size=(n, 4), generator=generator,
+                                dtype=dtype)
 
-    return make
+        def finish(raw, into):
+            valid = (raw > -2) & (raw < 2)
+            indexes = valid.max(-1, keepdim=True)[1]
+            into.copy_(raw.gather(-1, indexes).squeeze(-1))
+            into.mul_(stddev).add_(mean)
+
+    return take, finish
 
 
 def owned_runs(shape, box):
@@ -214,18 +222,18 @@ def draw_shard(draw, generator, shape, box):
     align = 16 // per if per else 1
     block = max(align, BLOCK_ELEMENTS // align * align)
     end = int(starts[-1]) + length
-    make = _block_maker(draw, generator)
+    take, finish = _stream(draw, generator)
     p = cursor = 0
     while p < end:
         q = min(p + block, total)
         if per and q < total and (total - q) * per < 16:
             q = total  # the last block holds the last 16 normals
-        values = make(q - p)
+        raw = take(q - p)
         kept = _kept(starts, length, p, q)
         if kept is not None:
-            piece = values[kept]
-            out[cursor:cursor + piece.numel()] = piece
-            cursor += piece.numel()
+            piece = raw[kept]
+            finish(piece, out[cursor:cursor + piece.shape[0]])
+            cursor += piece.shape[0]
         p = q
     return out.reshape(local_shape)
 
