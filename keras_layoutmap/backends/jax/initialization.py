@@ -34,9 +34,7 @@ True
 """
 
 import functools
-import inspect
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +42,10 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec
-from keras.src import initializers as keras_initializers
-from keras.src.backend import config as keras_config
 from keras.src.backend import standardize_dtype
 from keras.src.backend.jax import random as keras_jax_random
+
+from keras_layoutmap.backends import initializer_draws
 
 # Elements drawn at once by one device: counters, bits and floats of a block
 # are a few times this, in bytes, per device.
@@ -55,78 +53,15 @@ BLOCK_ELEMENTS = 1 << 20
 # Counters are 32-bit here; jax uses a 64-bit counter split in two words,
 # whose high word is zero below this size.
 MAX_ELEMENTS = 1 << 32
-_KINDS = ("uniform", "normal", "truncated_normal")
 _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
-
-
-class _Draw:
-    """One `keras.random` draw an initializer made: its kind, the
-    parameters after the shape, its seed, and the placeholder returned."""
-
-    def __init__(self, kind, shape, dtype, params, seed, placeholder):
-        self.kind = kind
-        self.shape = shape
-        self.dtype = dtype
-        self.params = params
-        self.seed = seed
-        self.placeholder = placeholder
-
-
-_RECORDING = threading.Lock()
-
-
-def _number(x):
-    return type(x) in (int, float)
 
 
 def record_draw(initializer, shape, dtype):
     """The single draw `initializer(shape, dtype)` returns untouched, found
-    by tracing it abstractly (no memory) with `keras.random`'s backend
-    functions replaced by recorders; None for anything else. The seed is
-    not drawn here: a `SeedGenerator` advances once, when the weight is
-    made."""
-    draws = []
-
-    def recorder(kind, names):
-        def draw(shape, *args, dtype=None, seed=None, **kwargs):
-            params = dict(zip(names, args))
-            params.update(kwargs)
-            placeholder = jnp.zeros(shape, standardize_dtype(
-                dtype or keras_config.floatx()))
-            draws.append(_Draw(kind, tuple(shape), dtype, params, seed,
-                               placeholder))
-            return placeholder
-
-        return draw
-
-    pure = []
-
-    def trace():
-        value = initializer(shape, dtype=dtype)
-        pure.append(len(draws) == 1 and value is draws[0].placeholder)
-        return value
-
-    names = {"uniform": ("minval", "maxval"),
-             "normal": ("mean", "stddev"),
-             "truncated_normal": ("mean", "stddev")}
-    with _RECORDING:
-        saved = {kind: getattr(keras_jax_random, kind) for kind in _KINDS}
-        try:
-            for kind in _KINDS:
-                setattr(keras_jax_random, kind, recorder(kind, names[kind]))
-            jax.eval_shape(trace)
-        except Exception:  # an initializer this tracing cannot follow
-            return None
-        finally:
-            for kind, function in saved.items():
-                setattr(keras_jax_random, kind, function)
-    if not (pure and pure[0]):
-        return None
-    draw = draws[0]
-    if draw.shape != tuple(shape) or not all(
-            _number(v) for v in draw.params.values()):
-        return None
-    return draw
+    by tracing it abstractly (no memory); None for anything else."""
+    return initializer_draws.record_draw(
+        initializer, shape, dtype, keras_jax_random,
+        lambda shape, dtype: jnp.zeros(shape, dtype), run=jax.eval_shape)
 
 
 def _threefry_seed_ok(seed):
@@ -303,10 +238,7 @@ def _program(kind, shape, dtype, sharding, block_elements):
 
 
 def _draw_sharded(draw, shape, dtype, sharding):
-    if draw.kind == "uniform":
-        a, b = draw.params.get("minval", 0.0), draw.params.get("maxval", 1.0)
-    else:
-        a, b = draw.params.get("mean", 0.0), draw.params.get("stddev", 1.0)
+    a, b = draw.bounds()
     program = _program(draw.kind, tuple(shape), jnp.dtype(dtype), sharding,
                        BLOCK_ELEMENTS)
     return program(_key_data(draw.seed), a, b)
@@ -318,19 +250,6 @@ def _filled(value, shape, dtype, sharding):
         return np.full(local, value, dtype)
 
     return jax.make_array_from_callback(tuple(shape), sharding, shard)
-
-
-def _constant(initializer):
-    """The scalar a `Zeros`, `Ones` or scalar `Constant` fills with."""
-    kind = type(initializer)
-    if kind in (keras_initializers.Zeros, keras_initializers.Ones):
-        return 0 if kind is keras_initializers.Zeros else 1
-    if kind is keras_initializers.Constant:
-        value = initializer.value
-        if _number(value) or (isinstance(value, np.ndarray)
-                              and value.ndim == 0):
-            return value
-    return None
 
 
 def _divides(shape, sharding):
@@ -353,14 +272,10 @@ def born_sharded(initializer, shape, dtype, sharding):
             or not _divides(shape, sharding)
             or not jnp.issubdtype(jnp.dtype(dtype), np.floating)):
         return None
-    constant = _constant(initializer)
+    constant = initializer_draws.constant_of(initializer)
     if constant is not None:
         return _filled(constant, shape, dtype, sharding)
-    try:
-        takes_layout = "layout" in inspect.signature(initializer).parameters
-    except (TypeError, ValueError):
-        takes_layout = True
-    if takes_layout:  # an initializer that places its own output
+    if initializer_draws.places_itself(initializer):
         return None
     draw = record_draw(initializer, shape, dtype)
     if (draw is None or not _threefry_seed_ok(draw.seed)

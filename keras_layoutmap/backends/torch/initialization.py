@@ -36,19 +36,16 @@ torch.Size([2, 3])
 True
 """
 
-import inspect
 import math
-import threading
 
 import numpy as np
 import torch
-from keras.src import initializers as keras_initializers
-from keras.src.backend import config as keras_config
 from keras.src.backend import standardize_dtype
 from keras.src.backend.torch import core as keras_torch_core
 from keras.src.backend.torch import random as keras_torch_random
 from torch.distributed.tensor import DTensor, Shard
 
+from keras_layoutmap.backends import initializer_draws
 from keras_layoutmap.backends.torch.placement import (
     contiguous_stride,
     local_slices,
@@ -59,73 +56,20 @@ from keras_layoutmap.backends.torch.placement import (
 # Elements drawn at once: the working memory beside the shard is a few
 # times this, in bytes.
 BLOCK_ELEMENTS = 1 << 20
-_KINDS = ("uniform", "normal", "truncated_normal")
-_PARAMS = {"uniform": ("minval", "maxval"),
-           "normal": ("mean", "stddev"),
-           "truncated_normal": ("mean", "stddev")}
 # Normals ATen makes per element of each kind: a truncated normal picks
 # from 4. A block of normals is a multiple of 16, the last at least 16.
 _NORMALS_PER_ELEMENT = {"uniform": 0, "normal": 1, "truncated_normal": 4}
-_RECORDING = threading.Lock()
-
-
-class _Draw:
-    """One `keras.random` draw an initializer made: its kind, parameters,
-    seed and dtype, and the placeholder it returned."""
-
-    def __init__(self, kind, shape, dtype, params, seed, placeholder):
-        self.kind = kind
-        self.shape = shape
-        self.dtype = dtype
-        self.params = params
-        self.seed = seed
-        self.placeholder = placeholder
-
-
-def _number(x):
-    return type(x) in (int, float)
 
 
 def record_draw(initializer, shape, dtype):
     """The single draw `initializer(shape, dtype)` returns untouched, found
-    by calling it with `keras.random`'s torch functions replaced by
-    recorders that return an empty tensor on the meta device (no memory);
-    None for anything else. The seed is not drawn here: a `SeedGenerator`
-    advances once, when the shard is made."""
-    draws = []
-
-    def recorder(kind):
-        def draw(shape, *args, dtype=None, seed=None, **kwargs):
-            params = dict(zip(_PARAMS[kind], args))
-            params.update(kwargs)
-            dtype = standardize_dtype(dtype or keras_config.floatx())
-            placeholder = torch.empty(
-                tuple(shape), dtype=keras_torch_core.to_torch_dtype(dtype),
-                device="meta")
-            draws.append(_Draw(kind, tuple(shape), dtype, params, seed,
-                               placeholder))
-            return placeholder
-
-        return draw
-
-    with _RECORDING:
-        saved = {kind: getattr(keras_torch_random, kind) for kind in _KINDS}
-        try:
-            for kind in _KINDS:
-                setattr(keras_torch_random, kind, recorder(kind))
-            value = initializer(shape, dtype=dtype)
-        except Exception:  # an initializer that needs real numbers
-            return None
-        finally:
-            for kind, function in saved.items():
-                setattr(keras_torch_random, kind, function)
-    if len(draws) != 1 or value is not draws[0].placeholder:
-        return None
-    draw = draws[0]
-    if draw.shape != tuple(shape) or not all(
-            _number(v) for v in draw.params.values()):
-        return None
-    return draw
+    by calling it with Keras' torch draws returning an empty tensor on the
+    meta device (no memory); None for anything else."""
+    return initializer_draws.record_draw(
+        initializer, shape, dtype, keras_torch_random,
+        lambda shape, dtype: torch.empty(
+            shape, dtype=keras_torch_core.to_torch_dtype(dtype),
+            device="meta"))
 
 
 # -- the stream, block by block --
@@ -138,9 +82,9 @@ def _stream(draw, generator):
     (`keras.src.backend.torch.random`'s arithmetic, element by element, so
     it may run on the kept ones only)."""
     dtype = keras_torch_core.to_torch_dtype(draw.dtype)
-    params = draw.params
+    a, b = draw.bounds()
     if draw.kind == "uniform":
-        low, high = params.get("minval", 0.0), params.get("maxval", 1.0)
+        low, high = a, b
 
         def take(n):
             return torch.rand(n, generator=generator, dtype=dtype)
@@ -148,7 +92,7 @@ def _stream(draw, generator):
         def finish(raw, into):
             torch.mul(raw, high - low, out=into).add_(low)
     elif draw.kind == "normal":
-        mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
+        mean, stddev = a, b
 
         def take(n):
             return torch.normal(mean, stddev, size=(n,), generator=generator,
@@ -157,7 +101,7 @@ def _stream(draw, generator):
         def finish(raw, into):
             into.copy_(raw)
     else:
-        mean, stddev = params.get("mean", 0.0), params.get("stddev", 1.0)
+        mean, stddev = a, b
 
         def take(n):
             return torch.normal(0, 1, size=(n, 4), generator=generator,
@@ -238,26 +182,6 @@ def draw_shard(draw, generator, shape, box):
     return out.reshape(local_shape)
 
 
-def _constant(initializer):
-    """The scalar a `Zeros`, `Ones` or scalar `Constant` fills with."""
-    kind = type(initializer)
-    if kind in (keras_initializers.Zeros, keras_initializers.Ones):
-        return 0 if kind is keras_initializers.Zeros else 1
-    if kind is keras_initializers.Constant:
-        value = initializer.value
-        if _number(value) or (isinstance(value, np.ndarray)
-                              and value.ndim == 0):
-            return value
-    return None
-
-
-def _takes_layout(initializer):
-    try:
-        return "layout" in inspect.signature(initializer).parameters
-    except (TypeError, ValueError):
-        return True
-
-
 def born_sharded(initializer, shape, dtype, layout):
     """`initializer(shape, dtype)` as a DTensor with `layout` (a
     `klm.Layout` that splits some dimension), each process making only its
@@ -271,10 +195,10 @@ def born_sharded(initializer, shape, dtype, layout):
             or not any(isinstance(p, Shard) for p in places)
             or str(keras_torch_core.get_device()) != "cpu"):
         return None
-    constant = _constant(initializer)
+    constant = initializer_draws.constant_of(initializer)
     draw = None
     if constant is None:
-        if _takes_layout(initializer):  # it places its own output
+        if initializer_draws.places_itself(initializer):
             return None
         draw = record_draw(initializer, shape, dtype)
         if draw is None or draw.dtype != dtype:
