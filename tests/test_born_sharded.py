@@ -288,3 +288,43 @@ def test_torch_docstring_example():
 
     result = doctest.testmod(initialization, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="torch's blocks follow ATen's use of its generator, "
+                    "checked once per process")
+def test_torch_falls_back_where_its_draws_do_not_split(mesh, monkeypatch):
+    import torch
+
+    from keras_layoutmap.backends.initializer_draws import KINDS
+    from keras_layoutmap.backends.torch import initialization
+
+    for kind in KINDS:
+        for dtype in ("float32", "float64", "bfloat16", "float16"):
+            assert initialization.stream_splits(kind, dtype), (kind, dtype)
+
+    # A torch whose kernels took one more number per block than expected.
+    stream = initialization._stream
+
+    def another_stream(draw, generator):
+        take, finish = stream(draw, generator)
+
+        def take_one_more(n):
+            torch.rand(1, generator=generator)
+            return take(n)
+
+        return take_one_more, finish
+
+    monkeypatch.setattr(initialization, "_stream", another_stream)
+    initialization.stream_splits.cache_clear()
+    try:
+        whole = _whole_draws(monkeypatch)
+        with pytest.warns(UserWarning, match="made whole on each process"):
+            weight = _build("random_normal", (24, 10), ["model", None], mesh)
+        assert whole == [(24, 10)]  # Keras' own draw, then split
+    finally:
+        initialization.stream_splits.cache_clear()
+    assert klm.fetch_layout(weight) == klm.Layout(["model", None], mesh)
+    np.testing.assert_array_equal(
+        host(weight),
+        np.asarray(INITIALIZERS["random_normal"][0]()((24, 10), "float32")))

@@ -10,6 +10,7 @@ then makes each shard of that draw itself, as the whole draw would have
 made it.
 """
 
+import contextlib
 import inspect
 import threading
 
@@ -22,7 +23,7 @@ KINDS = ("uniform", "normal", "truncated_normal")
 _PARAMS = {"uniform": ("minval", "maxval"),
            "normal": ("mean", "stddev"),
            "truncated_normal": ("mean", "stddev")}
-_RECORDING = threading.Lock()
+_REPLACING = threading.Lock()
 
 
 class Draw:
@@ -49,6 +50,21 @@ class Draw:
 
 def is_number(x):
     return type(x) in (int, float)
+
+
+@contextlib.contextmanager
+def draws_replaced(random_module, functions):
+    """Inside, `random_module`'s draws are `functions` (`{kind:
+    function}`); one thread at a time."""
+    with _REPLACING:
+        saved = {kind: getattr(random_module, kind) for kind in functions}
+        try:
+            for kind, function in functions.items():
+                setattr(random_module, kind, function)
+            yield
+        finally:
+            for kind, function in saved.items():
+                setattr(random_module, kind, function)
 
 
 def record_draw(initializer, shape, dtype, random_module, placeholder,
@@ -81,17 +97,12 @@ def record_draw(initializer, shape, dtype, random_module, placeholder,
         pure.append(len(draws) == 1 and value is draws[0].placeholder)
         return value
 
-    with _RECORDING:
-        saved = {kind: getattr(random_module, kind) for kind in KINDS}
-        try:
-            for kind in KINDS:
-                setattr(random_module, kind, recorder(kind))
+    try:
+        with draws_replaced(random_module,
+                            {kind: recorder(kind) for kind in KINDS}):
             (run or (lambda f: f()))(call)
-        except Exception:  # an initializer that needs real numbers
-            return None
-        finally:
-            for kind, function in saved.items():
-                setattr(random_module, kind, function)
+    except Exception:  # an initializer that needs real numbers
+        return None
     if not (pure and pure[0]):
         return None
     draw = draws[0]

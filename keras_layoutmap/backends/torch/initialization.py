@@ -12,7 +12,10 @@ of one whole draw. Each process here walks the stream in blocks of
 `BLOCK_ELEMENTS`, up to the last element it owns, and keeps the elements
 of its shard (they come in the shard's own row-major order): the working
 memory is one block besides the shard, whatever the weight's size. The time
-is that of drawing the weight whole, at most.
+is that of drawing the weight whole, at most. That this torch's kernels
+take the stream so is checked once per process, kind and dtype, on a small
+draw against Keras' own (`stream_splits`); where it fails, weights are made
+whole, then split, with a warning.
 
 Covered: a variable whose initializer is a single `keras.random` draw
 (`RandomUniform`, `RandomNormal`, `TruncatedNormal`, `VarianceScaling` and
@@ -36,7 +39,9 @@ torch.Size([2, 3])
 True
 """
 
+import functools
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -152,9 +157,10 @@ def _kept(starts, length, p, q):
     return torch.from_numpy(index)
 
 
-def draw_shard(draw, generator, shape, box):
+def draw_shard(draw, generator, shape, box, block_elements=None):
     """This process's shard (`box`) of Keras' whole draw of `shape`, made by
-    walking the generator's stream in blocks."""
+    walking the generator's stream in blocks of about `block_elements`
+    (default `BLOCK_ELEMENTS`)."""
     starts, length = owned_runs(shape, box)
     local_shape = tuple(s.stop - s.start for s in box)
     dtype = keras_torch_core.to_torch_dtype(draw.dtype)
@@ -164,7 +170,8 @@ def draw_shard(draw, generator, shape, box):
     total = math.prod(shape)
     per = _NORMALS_PER_ELEMENT[draw.kind]
     align = 16 // per if per else 1
-    block = max(align, BLOCK_ELEMENTS // align * align)
+    block = block_elements or BLOCK_ELEMENTS
+    block = max(align, block // align * align)
     end = int(starts[-1]) + length
     take, finish = _stream(draw, generator)
     p = cursor = 0
@@ -180,6 +187,44 @@ def draw_shard(draw, generator, shape, box):
             cursor += piece.shape[0]
         p = q
     return out.reshape(local_shape)
+
+
+# Keras' own draws, kept at import: `stream_splits` compares against them.
+_KERAS_DRAWS = {kind: getattr(keras_torch_random, kind)
+                for kind in initializer_draws.KINDS}
+
+
+@functools.lru_cache(maxsize=None)
+def stream_splits(kind, dtype):
+    """Whether this torch's draws of `kind` and `dtype` split into blocks
+    as the module docstring says: pieces of a small draw (203 elements,
+    not a multiple of 16, in blocks of 48) made here must equal Keras' own
+    whole draw, bit for bit. Checked once per process, kind and dtype;
+    where it fails (a torch whose kernels take the stream otherwise),
+    weights are made whole, then split, with a warning."""
+    shape, seed = (29, 7), 1234
+    params = ({"minval": -0.5, "maxval": 1.5} if kind == "uniform"
+              else {"mean": -0.5, "stddev": 1.5})
+    # Keras' own draw, as made when nothing watches or replaces it (its
+    # truncated normal calls the module's `normal`).
+    with initializer_draws.draws_replaced(keras_torch_random, _KERAS_DRAWS):
+        whole = _KERAS_DRAWS[kind](shape, *params.values(), dtype=dtype,
+                                   seed=seed)
+    draw = initializer_draws.Draw(kind, shape, dtype, params, seed, None)
+    for box in ((slice(0, 29), slice(0, 7)), (slice(10, 20), slice(0, 7)),
+                (slice(0, 29), slice(3, 5)), (slice(15, 29), slice(5, 7))):
+        generator = keras_torch_random.torch_seed_generator(seed)
+        if not torch.equal(draw_shard(draw, generator, shape, box, 48),
+                           whole[box]):
+            warnings.warn(
+                f"keras-layoutmap: torch {torch.__version__} draws "
+                f"{kind} {dtype} numbers in blocks other than this "
+                "backend expects (it is tested with torch 2.13.0): weights "
+                "with such initializers are made whole on each process, "
+                "then split (same values, more memory while building).",
+                stacklevel=2)
+            return False
+    return True
 
 
 def born_sharded(initializer, shape, dtype, layout):
@@ -201,7 +246,8 @@ def born_sharded(initializer, shape, dtype, layout):
         if initializer_draws.places_itself(initializer):
             return None
         draw = record_draw(initializer, shape, dtype)
-        if draw is None or draw.dtype != dtype:
+        if (draw is None or draw.dtype != dtype
+                or not stream_splits(draw.kind, dtype)):
             return None
     device_mesh = to_device_mesh(layout.mesh)
     box = local_slices(shape, device_mesh, places)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_layoutmap.backends.torch import initialization
 from keras_layoutmap.backends.torch.placement import (
     _placed,
     fetch_layout,
@@ -124,11 +125,10 @@ def wrap_initialize_with_initializer(original):
     initializer is covered: each process makes only its shard."""
 
     def _initialize_with_initializer(self, initializer):
-        from keras_layoutmap.backends.torch.initialization import born_sharded
-
         layout = _layout_for(self)
         if _placed(layout):
-            value = born_sharded(initializer, self._shape, self._dtype, layout)
+            value = initialization.born_sharded(
+                initializer, self._shape, self._dtype, layout)
             if value is not None:
                 self._value = _parameter(self, value)
                 return
