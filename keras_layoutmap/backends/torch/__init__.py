@@ -2,11 +2,10 @@
 
 A mesh spans processes, one CPU device each (gloo): `processes` joins them,
 `placement` turns meshes and layouts into `DeviceMesh` and DTensor
-placements, `variables` makes Keras variables DTensor parameters
-(`initialization`: born sharded), and
-`training` feeds DTensor batches to Keras' own steps. This module is the
-backend interface (see `keras_layoutmap/backends/__init__.py`) and
-`install()`.
+placements, `variables` makes Keras variables DTensor parameters (born
+sharded by `initialization`), and `training` feeds DTensor batches to
+Keras' own steps. This module is the backend interface (see
+`keras_layoutmap/backends/__init__.py`) and `install()`.
 """
 
 import logging
