@@ -250,9 +250,12 @@ def test_an_initializer_not_covered_is_made_whole_then_split(mesh):
 def test_torch_draws_a_block_at_a_time(mesh, name, monkeypatch):
     import torch
 
+    from keras_layoutmap.backends.initializer_draws import KINDS
     from keras_layoutmap.backends.torch import initialization
 
     monkeypatch.setattr(initialization, "BLOCK_ELEMENTS", 64)
+    for kind in KINDS:  # the once-per-process check, made before counting
+        assert initialization.stream_splits(kind, "float32")
     sizes = []
 
     def spy(original):
