@@ -227,6 +227,11 @@ def test_distribute_pack_unpack_copy_to_mesh(mesh):
     np.testing.assert_array_equal(host(rep), x)
     # Keras' own conversion gathers a sharded tensor, as on one device.
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(dx), x)
+    # A variable's pieces read as numpy too (a torch parameter's would
+    # refuse: it requires grad).
+    variable = keras.Variable(x, layout=layout)
+    for part, block in zip(klm.unpack(variable), expected):
+        np.testing.assert_array_equal(np.asarray(part), block)
 
 
 def test_data_errors(mesh):

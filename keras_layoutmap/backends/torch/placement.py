@@ -227,9 +227,12 @@ def _check_same_shape_everywhere(shape):
 
 def unpack(x):
     value = _torch_value(x)
-    if isinstance(value, DTensor):
-        return [value.to_local()]
-    return [value]
+    piece = value.to_local() if isinstance(value, DTensor) else value
+    if value is not x:
+        # A variable's piece is a reading of it, not a leaf of autograd:
+        # `np.asarray` takes it, as on JAX and TensorFlow.
+        piece = piece.detach()
+    return [piece]
 
 
 def fetch_layout(x):
