@@ -114,6 +114,23 @@ def installed(backend):
     return True
 
 
+def _too_big(backend, case, gib):
+    """Why a case would not fit in this machine's memory, or None. On torch
+    `klm whole` makes the whole weight in each of the processes, about 3x
+    its size each (Keras' `uniform` holds its draw, product and sum), and
+    running it anyway only brings the kernel's out-of-memory killer."""
+    if backend != "torch" or case != "klm whole":
+        return None
+    need = TORCH_PROCESSES * 3.1 * gib
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) for line in f
+                         if line.startswith("MemAvailable")) / 2**20
+    if need <= available:
+        return None
+    return (f"{TORCH_PROCESSES} processes x 3 x {gib:g} GiB = {need:.0f} GiB, "
+            f"{available:.0f} GiB available")
+
+
 def _figures(stdout):
     """`(ratio, seconds)`: the largest over the processes' result lines."""
     rows = []
@@ -158,6 +175,10 @@ def main():
                 print(f"{backend:12}(not installed)")
                 continue
             for case in cases:
+                need = _too_big(backend, case, opts.gib)
+                if need:
+                    print(f"{backend:12}{case:14}skipped: {need}")
+                    continue
                 result = subprocess.run(
                     command(script, backend, case, opts.gib),
                     capture_output=True, text=True, timeout=1200,
