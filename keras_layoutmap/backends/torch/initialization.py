@@ -140,15 +140,16 @@ def owned_runs(shape, box):
     return np.ravel(starts), sizes[last] * strides[last]
 
 
-def _kept(starts, length, p, q):
-    """The offsets within `[p, q)` of the owned elements there, in order:
-    a slice when one run covers them, else an index tensor."""
-    first = np.searchsorted(starts + length, p, side="right")
+def _kept(starts, ends, p, q):
+    """The offsets within `[p, q)` of the owned elements there (the runs
+    `[starts[i], ends[i])`), in order: a slice when one run covers them,
+    else an index tensor."""
+    first = np.searchsorted(ends, p, side="right")
     end = np.searchsorted(starts, q, side="left")
     if end <= first:
         return None
     lo = np.maximum(starts[first:end], p) - p
-    hi = np.minimum(starts[first:end] + length, q) - p
+    hi = np.minimum(ends[first:end], q) - p
     if end - first == 1:
         return slice(int(lo[0]), int(hi[0]))
     counts = hi - lo
@@ -172,7 +173,8 @@ def draw_shard(draw, generator, shape, box, block_elements=None):
     align = 16 // per if per else 1
     block = block_elements or BLOCK_ELEMENTS
     block = max(align, block // align * align)
-    end = int(starts[-1]) + length
+    ends = starts + length
+    end = int(ends[-1])
     take, finish = _stream(draw, generator)
     p = cursor = 0
     while p < end:
@@ -180,7 +182,7 @@ def draw_shard(draw, generator, shape, box, block_elements=None):
         if per and q < total and (total - q) * per < 16:
             q = total  # the last block holds the last 16 normals
         raw = take(q - p)
-        kept = _kept(starts, length, p, q)
+        kept = _kept(starts, ends, p, q)
         if kept is not None:
             piece = raw[kept]
             finish(piece, out[cursor:cursor + piece.shape[0]])
