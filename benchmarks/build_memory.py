@@ -35,8 +35,8 @@ import tempfile
 CASE = r'''
 import os, sys, time
 backend, case, gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
+devices = int(sys.argv[4])  # the mesh's size
 os.environ["KERAS_BACKEND"] = backend
-devices = TORCH_PROCESSES if backend == "torch" else 8
 def peak_gib():
     with open("/proc/self/status") as f:
         for line in f:
@@ -99,7 +99,8 @@ TORCH_PROCESSES = 4
 def command(script, backend, case, gib):
     """The command line of one case (`script`: CASE's file): on torch a
     sharded case runs once per process under the launcher."""
-    run = [script, backend, case, str(gib)]
+    devices = TORCH_PROCESSES if backend == "torch" else 8
+    run = [script, backend, case, str(gib), str(devices)]
     if backend == "torch" and case != "one device":
         return [sys.executable, "-m", "keras_layoutmap.launch", "-n",
                 str(TORCH_PROCESSES), *run]
@@ -169,7 +170,7 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "case.py")
         with open(script, "w") as f:
-            f.write(CASE.replace("TORCH_PROCESSES", str(TORCH_PROCESSES)))
+            f.write(CASE)
         for backend, cases in CASES.items():
             if not installed(backend):
                 print(f"{backend:12}(not installed)")
