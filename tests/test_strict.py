@@ -90,6 +90,7 @@ def data():
         size=(8, 2)).astype("float32")
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict", "train_on_batch"])
 def test_fails_before_training_built_model(method):
     mesh = klm.create_mesh([("batch", DEVICES), ("model", 1)])
@@ -110,6 +111,7 @@ def test_fails_before_training_built_model(method):
     assert int(model.optimizer.iterations) == 0
 
 
+@pytest.mark.training
 def test_fails_before_training_model_built_by_fit():
     # A subclassed model is built by fit itself: the check runs from a
     # callback once it is built, before the first step.
@@ -133,6 +135,7 @@ def test_fails_before_training_model_built_by_fit():
     assert int(model.optimizer.iterations) == 0
 
 
+@pytest.mark.training
 def test_passing_plan_trains_and_is_checked_once(monkeypatch):
     mesh = klm.create_mesh([("batch", DEVICES), ("model", 1)])
     lm = klm.LayoutMap(mesh, strict=True)
