@@ -42,6 +42,14 @@ def data():
     return x, tokens[:, 1:]
 
 
+def assert_backend_holds(report, model):
+    """Every weight has the layout explain reports, read from the backend."""
+    weights = {v.path: v for v in model.weights}
+    assert sorted(weights) == sorted(r.path for r in report.rows)
+    for row in report.rows:
+        assert klm.fetch_layout(weights[row.path]) == row.layout, row.path
+
+
 def test_gemma_model_parallel_parity():
     x, y = data()
     reference = build_lm()
@@ -58,8 +66,16 @@ def test_gemma_model_parallel_parity():
     report = layout_map.explain(model)
     sharded = [r for r in report.rows if not r.layout.is_fully_replicated()]
     assert len(sharded) >= 8  # embeddings, attention and MLP kernels
+    assert_backend_holds(report, model)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
                         verbose=0).history
+    assert_backend_holds(report, model)  # training relaid out nothing
+    optimizer = model.optimizer
+    slots = {v.path: v for v in optimizer.variables}
+    for weight in model.trainable_weights:  # Adam's m and v, like the weight
+        for kind in ("momentum", "velocity"):
+            slot = slots[f"{optimizer.name}/{weight.path.replace('/', '_')}_{kind}"]
+            assert klm.fetch_layout(slot) == klm.fetch_layout(weight), slot.path
 
     for key in ref_history:
         np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4,
