@@ -22,7 +22,7 @@ def digits():
     return (x[:600] / 16.0).astype("float32"), y[:600].astype("int32")
 
 
-def build(regularized=False, spatial=False):
+def build(regularized=False, spatial=False, optimizer=None):
     keras.utils.set_random_seed(0)
     regularizer = keras.regularizers.L2(0.01) if regularized else None
     inputs = keras.Input((64,))
@@ -32,7 +32,7 @@ def build(regularized=False, spatial=False):
     outputs = keras.layers.Dense(10, name="d2", kernel_regularizer=regularizer)(x)
     model = keras.Model(inputs, outputs, name="net")
     model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
+        optimizer=optimizer or keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -69,6 +69,47 @@ def test_regularization_losses_count_once(digits):
     unregularized = build().fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                                 verbose=0)
     assert history.history["loss"][0] > unregularized.history["loss"][0]
+
+
+# Keras optimizer options that act on all gradients or weights at once:
+# each must see the batch's summed gradients (a norm taken over one
+# process's or device's share would clip differently) and the whole of a
+# sharded weight.
+OPTIMIZER_OPTIONS = {
+    "global_clipnorm": dict(global_clipnorm=0.3),
+    "clipnorm": dict(clipnorm=0.05),
+    "gradient_accumulation_steps": dict(gradient_accumulation_steps=3),
+    "use_ema": dict(use_ema=True, ema_momentum=0.5),
+    "weight_decay": dict(weight_decay=0.5),
+}
+
+
+@pytest.mark.parametrize("distribution", ["data_parallel", "model_parallel"])
+@pytest.mark.parametrize("option", sorted(OPTIMIZER_OPTIONS))
+def test_optimizer_options_match_single_device(digits, option, distribution):
+    x, y = digits
+
+    def optimizer(**extra):
+        return keras.optimizers.Adam(0.01, **extra)
+
+    def fit(model):
+        return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                         verbose=0).history
+
+    options = OPTIMIZER_OPTIONS[option]
+    ref_history = fit(reference := build(optimizer=optimizer(**options)))
+    if distribution == "data_parallel":
+        with klm.DataParallel(dp_mesh()).scope():
+            model = build(optimizer=optimizer(**options))
+    else:
+        model = model_parallel(mp_mesh(), optimizer=optimizer(**options))
+    history = fit(model)
+    assert_same(model, reference, history, ref_history)
+    # The option changed the training, so a wrong use of it would show.
+    plain = build(optimizer=optimizer())
+    fit(plain)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(
+        plain.get_weights(), reference.get_weights())) > 1e-3
 
 
 def _batches(x, y):

@@ -34,13 +34,13 @@ def digits():
     return (x[:600] / 16.0).astype("float32"), y[:600].astype("int64")
 
 
-def build():
+def build(model_class=keras.Model, dropout=0.2):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    x = keras.layers.Dropout(0.2, seed=1)(x)
+    x = keras.layers.Dropout(dropout, seed=1)(x)
     outputs = keras.layers.Dense(10, name="d2")(x)
-    model = keras.Model(inputs, outputs, name="net")
+    model = model_class(inputs, outputs, name="net")
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -49,13 +49,13 @@ def build():
     return model
 
 
-def model_parallel(mesh):
+def model_parallel(mesh, **kwargs):
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"d1\.bias"] = ("model",)
     lm[r"d2\.kernel"] = ("model", None)
     with lm.scope():
-        return build()
+        return build(**kwargs)
 
 
 def assert_same_weights(model, reference):
@@ -129,6 +129,61 @@ def test_torch_style_loop_matches_one_process(digits):
                  if v.path.endswith("d1_kernel_momentum")]
     assert klm.fetch_layout(moment) == klm.fetch_layout(kernel)
     assert klm.fetch_layout(moment) == klm.Layout([None, "model"], mesh)
+
+
+class TorchTrainStep(keras.Model):
+    """`train_step` overridden as Keras' guide "Customizing what happens in
+    fit() with PyTorch" writes it."""
+
+    def train_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss.backward()
+        weights = self.trainable_weights
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in weights], weights)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["local", "dropout"])
+@pytest.mark.parametrize("distribution", ["data_parallel", "model_parallel"])
+def test_fit_with_a_torch_train_step_matches_one_process(digits, distribution,
+                                                        dropout):
+    """A model whose own `train_step` runs the backward pass and the
+    optimizer, trained by `fit`: on the local fast path (data parallel, no
+    dropout) and on DTensors."""
+    x, y = digits
+
+    def fit(model):
+        return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                         verbose=0).history
+
+    ref_history = fit(reference := build(TorchTrainStep, dropout))
+    if distribution == "data_parallel":
+        with klm.DataParallel(klm.create_mesh([("batch", DEVICES)])).scope():
+            model = build(TorchTrainStep, dropout)
+    else:
+        model = model_parallel(mp_mesh(), model_class=TorchTrainStep,
+                               dropout=dropout)
+    history = fit(model)
+    assert history.keys() == ref_history.keys() == {"loss", "accuracy"}
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
+                                   err_msg=key)
+    assert_same_weights(model, reference)
+    from keras_layoutmap.backends.torch.local_pieces import local_plans
+
+    local = distribution == "data_parallel" and not dropout
+    assert any(local_plans(model).values()) == local
 
 
 def test_state_dict_holds_dtensor_parameters_with_their_layout():
