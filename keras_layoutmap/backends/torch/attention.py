@@ -70,7 +70,10 @@ def wrap_dot_product_attention(original):
             _local_mask(bias, rows, heads, shape),
             _local_mask(mask, rows, heads, shape), *args, **kwargs)
         global_shape = (*shape[:3], value.shape[-1])
-        return DTensor.from_local(out, mesh, target, run_check=False,
+        # Keras' torch kernel returns a transposed view; the DTensor below
+        # says its piece is laid out contiguously, so make it so (a view of
+        # it would otherwise fail, or read the wrong elements).
+        return DTensor.from_local(out.contiguous(), mesh, target, run_check=False,
                                   shape=global_shape,
                                   stride=contiguous_stride(global_shape))
 
