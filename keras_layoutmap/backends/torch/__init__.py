@@ -23,6 +23,7 @@ from keras.src.models import model as keras_model
 
 from keras_layoutmap.backends.torch import (
     attention,
+    convolution,
     gradients,
     keras_distribution,
     lookups,
@@ -93,5 +94,12 @@ def install():
     keras_torch_numpy.take = lookups.wrap_take(keras_torch_numpy.take)
     keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
         keras_torch_nn.dot_product_attention)
+    # name: (kernel arguments, output channels may stay split, where
+    # data_format stands after the kernels)
+    for name, kernels, split, data_format in (
+            ("conv", 1, True, 2), ("depthwise_conv", 1, False, 2),
+            ("separable_conv", 2, False, 2), ("conv_transpose", 1, False, 3)):
+        setattr(keras_torch_nn, name, convolution.wrap_convolution(
+            getattr(keras_torch_nn, name), kernels, split, data_format))
     Optimizer = torch_optimizer.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)
