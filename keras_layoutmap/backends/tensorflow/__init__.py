@@ -23,6 +23,7 @@ import keras.src.backend as keras_backend
 from keras.src.backend import tensorflow as keras_tf
 from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.backend.tensorflow import distribution_lib as keras_tf_distribution_lib
+from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.models import model as keras_model
@@ -32,6 +33,7 @@ from keras_layoutmap.backends.tensorflow import (
     gather,
     placement,
     random_draws,
+    sparse_updates,
     training,
 )
 from keras_layoutmap.backends.tensorflow import variables as dvariables
@@ -95,6 +97,10 @@ def install():
         setattr(keras_tf_random, name,
                 random_draws.wrap_random(getattr(keras_tf_random, name)))
     keras_tf_random.dropout = random_draws.wrap_dropout(keras_tf_random.dropout)
+    Optimizer = keras_tf_optimizer.TFOptimizer
+    for name in ("assign_add", "assign_sub"):  # an embedding's sparse update
+        setattr(Optimizer, name, sparse_updates.wrap_sparse_update(
+            getattr(Optimizer, name)))
 
     # Models: inputs checked when called eagerly, exported without DTensor.
     keras_model.Model.export = export.wrap_export(keras_model.Model.export)
