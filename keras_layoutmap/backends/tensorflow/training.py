@@ -4,6 +4,7 @@ distribution's data layout for its shape, Keras' own step run in a
 the host, and DTensor's layout errors made plain."""
 
 import functools
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -123,6 +124,19 @@ class _PackedBatches:
         return _pack_batch(data, self._dist)
 
 
+_NO_LAYOUT_RULE = re.compile(r"'(tf\.\w+)' op does not implement layout propagation")
+_LOOP = (" (a tf.while_loop over a TensorArray: Keras' recurrent layers loop "
+         "this way on TensorFlow; build them with unroll=True)")
+_WHERE_OPS_COME_FROM = {
+    "tf.EmptyTensorList": _LOOP,
+    "tf.TensorListReserve": _LOOP,
+    "tf.TensorListFromTensor": _LOOP,
+    "tf.ReverseV2": (" (tf.reverse: Keras' recurrent layers with "
+                     "go_backwards=True, as the backward half of Bidirectional, "
+                     "and ops.flip)"),
+}
+
+
 def _run_step(model, step, data):
     """`step(data)` on the mesh, with DTensor's layout errors made plain."""
     try:
@@ -130,6 +144,15 @@ def _run_step(model, step, data):
             return step(data)
     except tf.errors.OpError as error:
         message = str(error)
+        missing = _NO_LAYOUT_RULE.search(message)
+        if missing:
+            op = missing.group(1)
+            raise ValueError(
+                f"DTensor cannot run a step of model '{model.name}' on a mesh: "
+                f"it has no layout rule for the op '{op}'"
+                f"{_WHERE_OPS_COME_FROM.get(op, '')}. JAX and torch run such "
+                "a model on a mesh."
+            ) from error
         if "SPMD expansion" not in message:
             raise
         reason = message.split("error: ", 1)[-1].split("\n", 1)[0]
