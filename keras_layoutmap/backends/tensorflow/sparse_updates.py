@@ -31,5 +31,3 @@ def wrap_sparse_update(original):
         return original(self, variable, value)
 
     return update
-
-
