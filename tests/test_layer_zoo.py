@@ -216,3 +216,31 @@ def test_convolution_with_the_batch_on_the_second_mesh_axis(digits):
             fit(model, data, y)
         return
     assert_same(model, reference, fit(model, data, y), ref_history)
+
+
+def test_convolution_of_an_input_split_over_space():
+    """A convolution of an image split over its rows (spatial parallel):
+    each output pixel needs its neighbours across the split, and gets them
+    (torch computes it on the gathered input; before, DTensor's rule gave
+    the output a wrong shape)."""
+    from conftest import DEVICES
+
+    def conv():
+        keras.utils.set_random_seed(0)
+        layer = keras.layers.Conv2D(4, 3, padding="same")
+        layer.build((None, 8, 8, 3))
+        return layer
+
+    x = np.random.default_rng(0).random((DEVICES, 8, 8, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(conv()(x))
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("space", 2)])
+    with klm.DataParallel(mesh).scope():
+        layer = conv()
+    split = klm.distribute(x, klm.Layout(["batch", "space", None, None], mesh))
+    if TF:  # DTensor's halo exchange exists on TPUs only
+        with pytest.raises(Exception, match="Halo exchange is only supported on TPU"):
+            layer(split)
+        return
+    out = layer(split)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(out), expected,
+                               rtol=1e-5, atol=1e-6)
