@@ -16,7 +16,9 @@ import functools
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_layoutmap.backends.torch.placement import (
+    as_dtensor,
     contiguous_stride,
+    local_piece,
     local_slices,
     to_host,
 )
@@ -55,12 +57,7 @@ def wrap_dot_product_attention(original):
         target = _target(query, key)
 
         def local(x):
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim,
-                                       run_check=False)
-            if tuple(x.placements) != target:
-                x = x.redistribute(mesh, target)
-            return x.to_local()
+            return local_piece(as_dtensor(x, mesh), target)
 
         shape = tuple(query.shape)
         index = local_slices(shape, mesh, target)

@@ -22,26 +22,18 @@ gradients' placements given by hand:
 
 import functools
 
+from keras.src import backend
+from keras.src.backend.torch.core import convert_to_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_layoutmap.backends.torch.placement import contiguous_stride
-
-
-def _as_dtensor(x, mesh):
-    if isinstance(x, DTensor):
-        return x
-    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _local(x, target, grad_placements):
-    if tuple(x.placements) != tuple(target):
-        x = x.redistribute(x.device_mesh, target)
-    return x.to_local(grad_placements=grad_placements)
+from keras_layoutmap.backends.torch.placement import (
+    as_dtensor,
+    contiguous_stride,
+    local_piece,
+)
 
 
 def _channels_last(kwargs, args, position):
-    from keras.src import backend
-
     fmt = kwargs.get("data_format", args[position] if len(args) > position else None)
     return backend.standardize_data_format(fmt) == "channels_last"
 
@@ -57,17 +49,15 @@ def wrap_convolution(original, kernels=1, split_output_channels=False,
 
     @functools.wraps(original)
     def convolution(inputs, *args, **kwargs):
-        from keras.src.backend.torch.core import convert_to_tensor
-
         # Kernels come as Keras variables; their values may be DTensors.
         tensors = [convert_to_tensor(x) for x in (inputs, *args[:kernels])]
+        rest = args[kernels:]
         found = next((x for x in tensors if isinstance(x, DTensor)), None)
         if found is None:
-            return original(inputs, *args, **kwargs)
+            return original(*tensors, *rest, **kwargs)
         mesh = found.device_mesh
-        inputs = _as_dtensor(tensors[0], mesh)
-        kernel_list = [_as_dtensor(k, mesh) for k in tensors[1:]]
-        rest = args[kernels:]
+        inputs = as_dtensor(tensors[0], mesh)
+        kernel_list = [as_dtensor(k, mesh) for k in tensors[1:]]
 
         batch_dims = {d for d, p in enumerate(inputs.placements)
                       if isinstance(p, Shard) and p.dim == 0}
@@ -82,14 +72,14 @@ def wrap_convolution(original, kernels=1, split_output_channels=False,
                         for d in range(mesh.ndim)]
         input_grad = [Partial() if d in channel_dims else p
                       for d, p in enumerate(input_target)]
-        local_inputs = _local(inputs, input_target, input_grad)
+        local_inputs = local_piece(inputs, input_target, input_grad)
         local_kernels = []
         for index, kernel in enumerate(kernel_list):
             target = [Shard(kernel.ndim - 1) if index == 0 and d in channel_dims
                       else Replicate() for d in range(mesh.ndim)]
             grad = [Partial() if d in batch_dims else p
                     for d, p in enumerate(target)]
-            local_kernels.append(_local(kernel, target, grad))
+            local_kernels.append(local_piece(kernel, target, grad))
 
         out = original(local_inputs, *local_kernels, *rest, **kwargs)
         channels_last = (data_format_position is None

@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_layoutmap.backends.torch.placement import contiguous_stride, local_slices
+from keras_layoutmap.backends.torch.placement import (
+    as_dtensor,
+    contiguous_stride,
+    local_slices,
+)
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -45,9 +49,7 @@ def _row_sharded_lookup(table, ids):
         # Columns split too (keras-hub's (model, batch) embeddings): gathered
         # for the lookup, as FSDP gathers a weight to compute with it.
         table = table.redistribute(mesh, whole_columns)
-    if not isinstance(ids, DTensor):
-        ids = DTensor.from_local(ids, mesh, [Replicate()] * mesh.ndim,
-                                 run_check=False)
+    ids = as_dtensor(ids, mesh)
     ids_places = [Replicate() if i in row_dims else p
                   for i, p in enumerate(ids.placements)]
     if tuple(ids.placements) != tuple(ids_places):

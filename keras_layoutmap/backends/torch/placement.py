@@ -119,6 +119,24 @@ def local_slices(shape, device_mesh, places):
     return tuple(index)
 
 
+def as_dtensor(x, device_mesh):
+    """`x` if it is a DTensor, else a plain tensor that every process holds
+    alike, as a replicated DTensor on `device_mesh` (no communication)."""
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim,
+                              run_check=False)
+
+
+def local_piece(x, places, grad_placements=None):
+    """This process's piece of the DTensor `x` laid out as `places`
+    (redistributed first if it is not); `grad_placements` as in
+    `DTensor.to_local`."""
+    if tuple(x.placements) != tuple(places):
+        x = x.redistribute(x.device_mesh, places)
+    return x.to_local(grad_placements=grad_placements)
+
+
 def contiguous_stride(shape):
     stride, step = [], 1
     for n in reversed(shape):
