@@ -137,9 +137,13 @@ def bench(session):
 
 @nox.session(python=PYTHON)
 def lint(session):
-    session.install("ruff")
+    """ruff, and the layering contracts of pyproject.toml (import-linter:
+    one direction of dependencies, no import circle, only backends/ imports
+    a backend). import-linter reads the source; nothing is installed."""
+    session.install("ruff", "import-linter>=2.5,<3")
     session.run("ruff", "check", "keras_layoutmap", "tests", "examples",
                 "benchmarks", "docs", "noxfile.py")
+    session.run("lint-imports", env={"PYTHONPATH": session.invoked_from})
 
 
 @nox.session(python=PYTHON)

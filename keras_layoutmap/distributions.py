@@ -3,28 +3,15 @@
 a final short batch."""
 
 import contextlib
-import contextvars
 
 from keras import distribution as keras_distribution
 from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
-from keras_layoutmap import backends, paths
-from keras_layoutmap.layout import Layout, as_layout, check_fits
-from keras_layoutmap.layout_map import LayoutMap
+from keras_layoutmap import backends
+from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import as_mesh
-
-# The layer (and weight name) whose `add_weight` is running: the one piece
-# of context that lets a distribution name a weight by its object path.
-_CREATING = contextvars.ContextVar("klm_creating_weight", default=None)
-
-
-@contextlib.contextmanager
-def creating_weight(layer, name):
-    token = _CREATING.set((layer, name))
-    try:
-        yield
-    finally:
-        _CREATING.reset(token)
+from keras_layoutmap.rules.resolve import creating_layer, resolve_weight, weight_keys
+from keras_layoutmap.rules.rule_map import RuleMap
 
 
 def distribution():
@@ -35,63 +22,6 @@ def distribution():
 def set_distribution(value):
     """Make `value` the global distribution (None to clear it)."""
     keras_distribution.set_distribution(value)
-
-
-def _kwarg_layout(layer, name):
-    """The `<name>_layout=` given to `layer` or the nearest ancestor."""
-    from keras_layoutmap.layer_kwargs import weight_layouts
-
-    for node in paths.lineage(layer):
-        layouts = weight_layouts(node)
-        if name in layouts:
-            return f"{node.name}.{name}_layout", layouts[name]
-    return None, None
-
-
-def weight_keys(variable):
-    """`(object_path, variable.path)` of a weight being created."""
-    creating = _CREATING.get()
-    if creating is None:
-        return None, variable.path
-    layer, _ = creating
-    return paths.object_path(layer, variable.name), variable.path
-
-
-def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
-                   detail=False, dtype=None):
-    """`(source, layout)` for weight `name` of layer `owner`.
-
-    A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
-    then the first matching rule of `layout_map` (for a rule with fallbacks,
-    its first layout that fits `shape`); else replicated on `mesh`.
-    `source` names the kwarg or the rule (None for the default). Raises
-    `ValueError` if the chosen layout cannot hold a tensor of `shape`, or if
-    a kwarg's layout is on another mesh than `mesh`. With `detail=True`,
-    returns `(source, layout, choice)`, `choice` being the rule's
-    `layout_map.Choice` (None for a kwarg or the default). `dtype` goes to
-    the map's default policy (`klm.fsdp` sizes weights by it).
-    """
-    if owner is not None:
-        source, layout = _kwarg_layout(owner, name)
-        if layout is not None:
-            layout = as_layout(layout, mesh, where=source)
-            if mesh is not None and layout.mesh != as_mesh(mesh):
-                raise ValueError(
-                    f"Weight {object_path or path!r}: {source} is a layout on "
-                    f"{layout.mesh!r}, but the distribution places the model "
-                    f"on {as_mesh(mesh)!r}. One model lives on one mesh: make "
-                    "the layout on the distribution's mesh."
-                )
-            check_fits(layout, shape, object_path or path, source)
-            return (source, layout, None) if detail else (source, layout)
-    if layout_map is not None:
-        choice = layout_map.choose(shape, object_path, path, dtype=dtype)
-        if choice.layout is not None:
-            if detail:
-                return choice.rule, choice.layout, choice
-            return choice.rule, choice.layout
-    layout = Layout.replicated(mesh, len(shape))
-    return (None, layout, None) if detail else (None, layout)
 
 
 class _Resolving:
@@ -130,9 +60,8 @@ class _Resolving:
     def resolve_variable(self, variable):
         """`(source, layout)` for a variable about to be created."""
         object_path, path = weight_keys(variable)
-        creating = _CREATING.get()
         return resolve_weight(
-            owner=creating[0] if creating is not None else None,
+            owner=creating_layer(),
             name=variable.name,
             shape=tuple(variable.shape),
             object_path=object_path,
@@ -222,9 +151,9 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
 
     def __init__(self, *, layout_map=None, batch_dim_name=None,
                  auto_shard_dataset=True, **kwargs):
-        if layout_map is not None and not isinstance(layout_map, LayoutMap):
+        if layout_map is not None and not isinstance(layout_map, RuleMap):
             if isinstance(layout_map, keras_distribution.LayoutMap):
-                layout_map = LayoutMap.from_keras(layout_map)
+                layout_map = RuleMap.from_keras(layout_map)
             else:
                 raise TypeError(
                     "`layout_map` must be a `klm.LayoutMap`. Received: "

@@ -11,6 +11,7 @@ import io
 
 from keras_layoutmap import paths
 from keras_layoutmap.layout import layout_bytes_per_device
+from keras_layoutmap.rules.resolve import resolve_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +197,6 @@ def _findings(rows, unused, layout_map):
 
 def explain(model, layout_map):
     """Resolve every weight of `model` against `layout_map`."""
-    from keras_layoutmap.distributions import resolve_weight
-
     owners = paths.object_paths(model, with_owner=True)
     rows, won, matched = [], set(), set()
     for variable in model.weights:

@@ -22,6 +22,9 @@ import inspect
 
 from keras import initializers as keras_initializers
 
+from keras_layoutmap.data import distribute
+from keras_layoutmap.layout import as_layout
+
 _MARK = "_klm_takes_layout"
 
 
@@ -39,9 +42,6 @@ def _wrap_call(original):
         value = original(self, shape, dtype, *args, **kwargs)
         if layout is None:
             return value
-        from keras_layoutmap.data import distribute
-        from keras_layoutmap.layout import as_layout
-
         layout = as_layout(layout, where=f"{type(self).__name__}(layout=)")
         return distribute(value, layout)
 

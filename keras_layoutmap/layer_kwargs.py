@@ -26,15 +26,11 @@ from keras import distribution as keras_distribution
 from keras import layers as keras_layers
 
 from keras_layoutmap import paths
-from keras_layoutmap.distributions import creating_weight, replicated_on
+from keras_layoutmap.distributions import replicated_on
 from keras_layoutmap.layout import as_layout
+from keras_layoutmap.rules.resolve import creating_weight, weight_layouts
 
 _SUFFIX = "_layout"
-
-
-def weight_layouts(layer):
-    """`{weight_name: layout}` from the layer's `<weight>_layout=` kwargs."""
-    return layer.__dict__.get("_klm_weight_layouts", {})
 
 
 def remembered_distribution(layer):

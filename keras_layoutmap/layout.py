@@ -6,7 +6,7 @@ import re
 import numpy as np
 from keras import distribution as keras_distribution
 
-from keras_layoutmap.mesh import as_mesh
+from keras_layoutmap.mesh import Mesh, as_mesh
 
 UNSHARDED = "unsharded"
 
@@ -166,8 +166,6 @@ class Layout(keras_distribution.TensorLayout):
 
     @classmethod
     def from_config(cls, config, mesh=None):
-        from keras_layoutmap.mesh import Mesh
-
         if mesh is None and config.get("mesh") is not None:
             mesh = Mesh.from_config(config["mesh"])
         return cls(config["sharding_specs"], mesh)
@@ -230,8 +228,6 @@ def as_layout(value, mesh=None, where="Layout"):
 
 
 def _config_mesh(config, mesh):
-    from keras_layoutmap.mesh import Mesh
-
     if mesh is None and config.get("mesh") is not None:
         return Mesh.from_config(config["mesh"])
     return mesh

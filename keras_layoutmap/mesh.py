@@ -8,6 +8,7 @@ import numpy as np
 from keras import distribution as keras_distribution
 
 from keras_layoutmap import backends
+from keras_layoutmap.processes import configure_devices
 
 
 def configure_virtual_devices(n):
@@ -29,8 +30,6 @@ def configure_virtual_devices(n):
         raise ValueError(
             f"`n` must be a positive integer number of devices. Received: {n!r}"
         )
-    from keras_layoutmap.processes import configure_devices
-
     configure_devices(n)
 
 

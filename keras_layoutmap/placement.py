@@ -42,7 +42,9 @@ import weakref
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from keras_layoutmap import backends, paths
+from keras_layoutmap.distributions import _Resolving
 from keras_layoutmap.layout import as_layout
+from keras_layoutmap.rules.resolve import resolve_weight
 
 
 def _several(mesh):
@@ -78,8 +80,6 @@ def reference_of(variable):
 def _resolver(model, dist):
     """A function `variable -> layout` under `dist`, ignoring the layout the
     variable has now: what `dist` would give it if it were made now."""
-    from keras_layoutmap.distributions import _Resolving, resolve_weight
-
     owners = paths.object_paths(model, with_owner=True)
 
     def resolve(variable):

@@ -26,6 +26,8 @@ keras_layoutmap.explain.StrictModeError: Strict mode: 1 problem(s) with the layo
 
 import inspect
 
+from keras_layoutmap.explain import explain
+
 _BEGIN = {"fit": "on_train_begin", "evaluate": "on_test_begin",
           "predict": "on_predict_begin"}
 _CHECKED = (*_BEGIN, "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -40,7 +42,7 @@ def check(model, layout_map):
     findings; remember a model that passed."""
     if getattr(model, "_klm_strict_ok", None) == _stamp(layout_map):
         return
-    layout_map.explain(model).raise_for_strict()
+    explain(model, layout_map).raise_for_strict()
     model._klm_strict_ok = _stamp(layout_map)
 
 

@@ -307,7 +307,7 @@ def test_from_keras_layout_map(mesh_2d):
 def test_matcher_agrees_with_a_naive_first_match_loop():
     import re
 
-    from keras_layoutmap.layout_map import _Matcher
+    from keras_layoutmap.rules.matching import Matcher as _Matcher
 
     rules = [r"block_1\.mlp\..*", r"(?i)BLOCK_2\..*kernel", r"ab*c", r"abc|xyz",
              r"block_1\.mlp\.w1\.kernel", r"(x)\1", r"model/block_\d+/.*bias",
@@ -327,7 +327,7 @@ def test_matcher_blocks_agree_with_a_naive_loop(monkeypatch, join_after):
     # tries) or not, first() and all() agree with a naive loop.
     import re
 
-    from keras_layoutmap.layout_map import _Matcher
+    from keras_layoutmap.rules.matching import Matcher as _Matcher
 
     monkeypatch.setattr(_Matcher, "JOIN_AFTER", join_after)
     rules = [rf".*blk_{j}\..*" for j in range(100)]

@@ -11,6 +11,8 @@ from keras_layoutmap.backends.jax.processes import (
     set_cpu_devices,
     to_host,
 )
+from keras_layoutmap.layout import Layout
+from keras_layoutmap.mesh import Mesh
 
 
 def configure_virtual_devices(n):
@@ -45,8 +47,6 @@ def _array(x):
 
 
 def fetch_layout(x):
-    from keras_layoutmap.mesh import Mesh
-
     array = _array(x)
     sharding = array.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -156,8 +156,6 @@ def wrap_initialize_keeps_value_layout(original):
                 and isinstance(value, jax.Array)
                 and isinstance(value.sharding, jax.sharding.NamedSharding)
                 and value.sharding.mesh.size > 1):
-            from keras_layoutmap.layout import Layout
-
             axes, mesh = fetch_layout(value)
             self._layout = Layout(axes, mesh)
         return original(self, value)

@@ -15,6 +15,8 @@ from keras_layoutmap.backends.tensorflow.processes import (
     process_count,
     set_cpu_devices,
 )
+from keras_layoutmap.layout import as_layout
+from keras_layoutmap.mesh import Mesh, _mesh_key
 
 
 def configure_virtual_devices(n):
@@ -46,8 +48,6 @@ def to_dmesh(mesh):
     """The one `dtensor.Mesh` for meshes equal to `mesh` (same axes, sizes
     and devices), with a name of its own: DTensor keys compiled functions
     by mesh name, so meshes of other shapes must not share one."""
-    from keras_layoutmap.mesh import _mesh_key
-
     key = _mesh_key(mesh)
     if key not in _DMESHES:
         dims = list(zip(mesh.axis_names, mesh.shape))
@@ -98,8 +98,6 @@ def is_dtensor(x):
 
 
 def fetch_layout(x):
-    from keras_layoutmap.mesh import Mesh
-
     value = value_of(x)
     if not tf.is_tensor(value):
         raise TypeError(
@@ -189,8 +187,6 @@ def local_devices():
 
 def distribute_tensor_hook(tensor, layout):
     """Keras' hook to relayout a layer output (`<layer>/output` rules)."""
-    from keras_layoutmap.layout import as_layout
-
     return distribute(tensor, as_layout(layout))
 
 

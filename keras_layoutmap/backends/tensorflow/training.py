@@ -23,6 +23,8 @@ from keras_layoutmap.backends.tensorflow.processes import (
 from keras_layoutmap.backends.tensorflow.random_draws import (
     mesh_step,
 )
+from keras_layoutmap.data import distribute as checked_distribute
+from keras_layoutmap.layout import as_layout
 
 
 def _check_inputs_on_mesh(model, inputs):
@@ -74,10 +76,6 @@ def _pack_batch(data, dist):
     leaf by the distribution's data layout for its shape. Leaves already on
     the distribution's mesh are left as they are."""
     from keras.src import tree
-
-    from keras_layoutmap.data import distribute as checked_distribute
-    from keras_layoutmap.layout import as_layout
-
     dmesh = to_dmesh(dist.device_mesh)
     gather = process_count() > 1 and not dist.auto_shard_dataset
 

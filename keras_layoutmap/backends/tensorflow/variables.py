@@ -15,6 +15,7 @@ from keras_layoutmap.backends.tensorflow.placement import (
     to_dmesh,
     to_host,
 )
+from keras_layoutmap.layout import Layout, as_layout
 
 
 def _make_dvariable(variable, value, layout):
@@ -66,8 +67,6 @@ def wrap_initialize(original):
                 self._layout = dist.get_variable_layout(self)
         if self._layout is None or isinstance(value, tf.Variable):
             return original(self, value)
-        from keras_layoutmap.layout import as_layout
-
         layout = as_layout(self._layout)
         if layout.mesh.size == 1:
             return original(self, value)  # one device: nothing to place
@@ -87,8 +86,6 @@ def wrap_direct_assign(original):
     def _direct_assign(self, value):
         if getattr(self, "_layout", None) is None or not is_dtensor(self._value):
             return original(self, value)
-        from keras_layoutmap.layout import as_layout
-
         value = tf.cast(value, self._value.dtype)
         if not is_dtensor(value):
             value = distribute(value, as_layout(self._layout))
@@ -138,8 +135,6 @@ def wrap_initialize_keeps_value_layout(original):
                 and keras_distribution.distribution() is None
                 and tf.is_tensor(value) and not isinstance(value, tf.Variable)
                 and is_dtensor(value)):
-            from keras_layoutmap.layout import Layout
-
             axes, mesh = fetch_layout(value)
             self._layout = Layout(axes, mesh)
         return original(self, value)

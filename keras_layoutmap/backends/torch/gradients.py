@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from keras_layoutmap.backends.torch import local_pieces
 from keras_layoutmap.backends.torch.placement import to_layout
+from keras_layoutmap.layout import as_layout
 
 
 def summed(placements):
@@ -83,8 +84,6 @@ def gradients_like_weights(pairs):
             if tuple(grad.placements) != tuple(value.placements):
                 grad = grad.redistribute(value.device_mesh, value.placements)
         elif isinstance(value, DTensor) and grad is not None:
-            from keras_layoutmap.layout import as_layout
-
             layout = getattr(variable, "_layout", None)
             if layout is not None:
                 grad = to_layout(grad, as_layout(layout))

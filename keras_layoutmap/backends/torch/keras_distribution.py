@@ -4,6 +4,8 @@ none: `keras.distribution.list_devices()`, `DeviceMesh`, `TensorLayout`,
 torch). Installed as Keras' `distribution_lib` for the torch backend."""
 
 from keras_layoutmap.backends.torch import placement, processes
+from keras_layoutmap.layout import as_layout
+from keras_layoutmap.processes import initialize as klm_initialize
 
 
 def list_devices(device_type=None):
@@ -17,8 +19,6 @@ def get_device_count(device_type=None):
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
-    from keras_layoutmap.processes import initialize as klm_initialize
-
     address = job_addresses.split(",")[0] if job_addresses else None
     klm_initialize(address, num_processes, process_id)
 
@@ -36,15 +36,11 @@ def _to_backend_mesh(device_mesh):
 
 
 def _to_backend_layout(tensor_layout):
-    from keras_layoutmap.layout import as_layout
-
     return placement.placements(as_layout(tensor_layout))
 
 
 def distribute_tensor(tensor, layout):
     """`tensor` with `layout` (a layer's output laid out by a rule)."""
-    from keras_layoutmap.layout import as_layout
-
     layout = as_layout(layout)
     if layout.mesh.size <= 1:
         return tensor

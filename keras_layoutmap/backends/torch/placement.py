@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from keras_layoutmap.backends.torch import processes
+from keras_layoutmap.mesh import Mesh
 
 _MESHES = {}
 
@@ -255,8 +256,6 @@ def unpack(x):
 
 def fetch_layout(x):
     """`(axes, mesh)` read from the DTensor's own mesh and placements."""
-    from keras_layoutmap.mesh import Mesh
-
     value = _torch_value(x)
     if not torch.is_tensor(value):
         raise TypeError(

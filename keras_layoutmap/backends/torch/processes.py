@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_layoutmap.processes import cluster_from_environment
+
 MULTI_PROCESS = True
 DEFAULT_TIMEOUT_SECONDS = 60
 
@@ -108,8 +110,6 @@ def configure_virtual_devices(n):
         )
     if n == 1:
         return
-    from keras_layoutmap.processes import cluster_from_environment
-
     join(cluster_from_environment(), total_devices=n)
 
 

@@ -26,6 +26,7 @@ from keras_layoutmap.backends.torch.placement import (
     to_host,
     to_layout,
 )
+from keras_layoutmap.layout import as_layout
 
 
 def check_mesh(x, device_mesh, whose):
@@ -99,8 +100,6 @@ def distribute_batch(data, dist):
         if gather:
             x = processes.all_gather_rows(x)
         layout = dist.get_data_layout(tuple(x.shape))
-        from keras_layoutmap.layout import as_layout
-
         return to_layout(x, as_layout(layout))
 
     return tree.map_structure(place, data)

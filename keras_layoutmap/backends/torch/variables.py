@@ -17,6 +17,7 @@ from keras_layoutmap.backends.torch.placement import (
     to_host,
     to_layout,
 )
+from keras_layoutmap.layout import Layout, as_layout
 
 
 def _parameter(variable, value):
@@ -27,8 +28,6 @@ def _parameter(variable, value):
 
 
 def relayout_variable(variable, layout):
-    from keras_layoutmap.layout import as_layout
-
     layout = as_layout(layout)
     variable._layout = layout
     if not _placed(layout):
@@ -47,9 +46,6 @@ def unplace_variable(variable, keep_layout=False):
 
 def _layout_for(variable):
     from keras import distribution as keras_distribution
-
-    from keras_layoutmap.layout import as_layout
-
     if getattr(variable, "_layout", None) is None:
         dist = keras_distribution.distribution()
         if dist is not None:
@@ -72,8 +68,6 @@ def wrap_initialize(original):
         if (getattr(self, "_layout", None) is None
                 and keras_distribution.distribution() is None
                 and isinstance(value, DTensor)):
-            from keras_layoutmap.layout import Layout
-
             axes, mesh = fetch_layout(value)
             self._layout = Layout(axes, mesh)
         if self._shape is None and not callable(value):
@@ -99,9 +93,6 @@ def wrap_direct_assign(original):
                 value = to_host(value)
             return original(self, value)
         from keras.src.backend.torch.core import convert_to_tensor
-
-        from keras_layoutmap.layout import as_layout
-
         if not isinstance(value, DTensor):
             value = convert_to_tensor(value)
         value = to_layout(value, as_layout(self._layout)
@@ -114,8 +105,6 @@ def wrap_direct_assign(original):
 
 
 def _layout_of(value):
-    from keras_layoutmap.layout import Layout
-
     axes, mesh = fetch_layout(value)
     return Layout(axes, mesh)
 

@@ -1,6 +1,6 @@
 """Matching many regex rules against weight paths, first rule wins, fast.
 
-Used by `LayoutMap`; `benchmarks/rules.py` measures it.
+Used by `RuleMap` (`klm.LayoutMap`); `benchmarks/rules.py` measures it.
 """
 
 import functools
@@ -42,7 +42,7 @@ def literal_prefix(rule):
 _NOT_LITERAL_START = frozenset(".([^$|")
 
 
-class _Matcher:
+class Matcher:
     """First-rule-wins matching of many regexes against a key.
 
     A key is tried only against the rules that can match it: those without a
@@ -141,7 +141,7 @@ class _Matcher:
 
 
 class _Block:
-    """Up to `_Matcher.BLOCK` candidate rules, tried one by one until they
+    """Up to `Matcher.BLOCK` candidate rules, tried one by one until they
     have been tried `JOIN_AFTER` times, then as one compiled alternation
     (compiling costs about as much as a few hundred one-by-one tries, so a
     map looked up a few times never pays more than a plain loop, and a big
@@ -167,7 +167,7 @@ class _Block:
         if self.uses < 0:
             return self._joined
         self.uses += 1
-        if self.uses < _Matcher.JOIN_AFTER:
+        if self.uses < Matcher.JOIN_AFTER:
             return None
         self.uses = -1
         rules = self._matcher.rules

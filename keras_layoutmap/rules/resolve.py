@@ -1,0 +1,100 @@
+"""Resolving one weight: which layout it gets, and from where.
+
+A weight's layout comes, in order, from a `<name>_layout=` kwarg on its
+layer (or a layer containing it), then the first rule of the map that
+matches its keys (for a rule with fallbacks, its first layout that fits the
+weight's shape), else it is replicated on the mesh. Distributions (when a
+weight is created), `explain` (from shapes alone) and placement (when a
+model moves) all ask `resolve_weight`.
+
+A weight is named by two keys: its TF-Keras object path and its Keras 3
+`variable.path`. The object path needs the layer being built, which
+`creating_weight` records while `add_weight` runs.
+"""
+
+import contextlib
+import contextvars
+
+from keras_layoutmap import paths
+from keras_layoutmap.layout import Layout, as_layout, check_fits
+from keras_layoutmap.mesh import as_mesh
+
+# The layer (and weight name) whose `add_weight` is running: the one piece
+# of context that lets a distribution name a weight by its object path.
+_CREATING = contextvars.ContextVar("klm_creating_weight", default=None)
+
+
+@contextlib.contextmanager
+def creating_weight(layer, name):
+    token = _CREATING.set((layer, name))
+    try:
+        yield
+    finally:
+        _CREATING.reset(token)
+
+
+def creating_layer():
+    """The layer whose `add_weight` is running (None outside one)."""
+    creating = _CREATING.get()
+    return None if creating is None else creating[0]
+
+
+def weight_layouts(layer):
+    """`{weight_name: layout}` from the layer's `<weight>_layout=` kwargs
+    (stored by `layer_kwargs`)."""
+    return layer.__dict__.get("_klm_weight_layouts", {})
+
+
+def _kwarg_layout(layer, name):
+    """The `<name>_layout=` given to `layer` or the nearest ancestor."""
+    for node in paths.lineage(layer):
+        layouts = weight_layouts(node)
+        if name in layouts:
+            return f"{node.name}.{name}_layout", layouts[name]
+    return None, None
+
+
+def weight_keys(variable):
+    """`(object_path, variable.path)` of a weight being created."""
+    creating = _CREATING.get()
+    if creating is None:
+        return None, variable.path
+    layer, _ = creating
+    return paths.object_path(layer, variable.name), variable.path
+
+
+def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
+                   detail=False, dtype=None):
+    """`(source, layout)` for weight `name` of layer `owner`.
+
+    A `<name>_layout=` kwarg on the layer (or a layer containing it) wins;
+    then the first matching rule of `layout_map` (for a rule with fallbacks,
+    its first layout that fits `shape`); else replicated on `mesh`.
+    `source` names the kwarg or the rule (None for the default). Raises
+    `ValueError` if the chosen layout cannot hold a tensor of `shape`, or if
+    a kwarg's layout is on another mesh than `mesh`. With `detail=True`,
+    returns `(source, layout, choice)`, `choice` being the rule's
+    `layout_map.Choice` (None for a kwarg or the default). `dtype` goes to
+    the map's default policy (`klm.fsdp` sizes weights by it).
+    """
+    if owner is not None:
+        source, layout = _kwarg_layout(owner, name)
+        if layout is not None:
+            layout = as_layout(layout, mesh, where=source)
+            if mesh is not None and layout.mesh != as_mesh(mesh):
+                raise ValueError(
+                    f"Weight {object_path or path!r}: {source} is a layout on "
+                    f"{layout.mesh!r}, but the distribution places the model "
+                    f"on {as_mesh(mesh)!r}. One model lives on one mesh: make "
+                    "the layout on the distribution's mesh."
+                )
+            check_fits(layout, shape, object_path or path, source)
+            return (source, layout, None) if detail else (source, layout)
+    if layout_map is not None:
+        choice = layout_map.choose(shape, object_path, path, dtype=dtype)
+        if choice.layout is not None:
+            if detail:
+                return choice.rule, choice.layout, choice
+            return choice.rule, choice.layout
+    layout = Layout.replicated(mesh, len(shape))
+    return (None, layout, None) if detail else (None, layout)
