@@ -68,6 +68,7 @@ _LIGHT = not globals().get("_COMPLETE") and _locating_own_tool()
 if not _LIGHT:
     from keras_layoutmap import backends as _backends
     from keras_layoutmap import initializers as _initializers
+    from keras_layoutmap import keras_classes as _keras_classes
     from keras_layoutmap import layer_kwargs as _layer_kwargs
     from keras_layoutmap import metrics, optimizers
     from keras_layoutmap import metrics as _metrics
@@ -105,6 +106,7 @@ if not _LIGHT:
 
     _backends.get().install()  # first: the wrappers below call what it patched
     _layer_kwargs.install()
+    _keras_classes.install()
     _initializers.install()
     _metrics.install()
     _placement.install()

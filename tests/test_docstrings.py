@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
-           "metrics", "placement", "processes", "initializers", "strict"]
+           "metrics", "placement", "processes", "initializers", "strict",
+           "keras_classes", "fsdp"]
 
 
 @pytest.mark.sharding

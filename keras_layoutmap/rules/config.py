@@ -20,7 +20,7 @@ from keras_layoutmap.layout import is_spec_sequence
 from keras_layoutmap.mesh import Mesh, as_mesh
 
 DEFAULT_MAX_REPLICATED_BYTES = 1 << 20
-_KEYS = {"mesh", "rules", "strict", "max_replicated_bytes"}
+_KEYS = {"mesh", "rules", "strict", "max_replicated_bytes", "search"}
 
 
 def rules_config(rule_map):
@@ -36,6 +36,8 @@ def rules_config(rule_map):
     }
     if rule_map.strict:
         config["strict"] = True
+    if rule_map.search:
+        config["search"] = True
     if rule_map.max_replicated_bytes != DEFAULT_MAX_REPLICATED_BYTES:
         config["max_replicated_bytes"] = rule_map.max_replicated_bytes
     return config
@@ -52,8 +54,8 @@ def build_from_config(cls, config, mesh=None):
     unknown = set(config) - _KEYS
     if unknown:
         raise ValueError(
-            "A LayoutMap config has the keys 'mesh', 'rules', 'strict' "
-            "and 'max_replicated_bytes'. Received unknown keys "
+            "A LayoutMap config has the keys 'mesh', 'rules', 'strict', "
+            "'max_replicated_bytes' and 'search'. Received unknown keys "
             f"{sorted(unknown)}."
         )
     if mesh is None and config.get("mesh") is not None:
@@ -70,6 +72,7 @@ def build_from_config(cls, config, mesh=None):
         max_replicated_bytes=config.get(
             "max_replicated_bytes", DEFAULT_MAX_REPLICATED_BYTES),
     )
+    layout_map.search = bool(config.get("search", False))
     rules = config["rules"]
     if isinstance(rules, dict):
         rules = list(rules.items())
@@ -86,9 +89,11 @@ def build_from_config(cls, config, mesh=None):
 
 def build_from_keras(cls, layout_map, mesh=None):
     """A `cls` with the rules of a `keras.distribution.LayoutMap` (or of
-    another map), in order, fallbacks kept."""
+    another map), in order, fallbacks kept. Rules from Keras' own class
+    keep Keras' meaning: a rule matches anywhere in a path (`re.search`)."""
     mesh = as_mesh(mesh or layout_map.device_mesh)
     result = cls(mesh)
+    result.search = getattr(layout_map, "search", True)
     for key in layout_map:
         layouts = getattr(layout_map, "_alternatives", {}).get(key)
         if layouts and len(layouts) > 1:

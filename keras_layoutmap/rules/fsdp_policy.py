@@ -81,6 +81,7 @@ class FSDPRuleMap(RuleMap):
             max_replicated_bytes=max_replicated_bytes,
         )
         if rules is not None:
+            layout_map.search = rules.search
             if as_mesh(rules.device_mesh) != layout_map.device_mesh:
                 raise ValueError(
                     f"`rules` are on {rules.device_mesh!r} but `mesh` is "

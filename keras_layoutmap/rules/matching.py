@@ -68,10 +68,13 @@ class Matcher:
         self.rules = list(rules)
         patterns = patterns or {}
         self.compiled = [patterns.get(r) or re.compile(r) for r in self.rules]
+        # What each rule's regex really is (a rule may be compiled from
+        # another pattern than its key: see `RuleMap(search=True)`).
+        self.sources = [c.pattern for c in self.compiled]
         broad = {}  # block number -> [rule index, ...]
         self.by_length = {}  # prefix length -> {prefix: [rule index, ...]}
-        for i, rule in enumerate(self.rules):
-            prefix = literal_prefix(rule)
+        for i, source in enumerate(self.sources):
+            prefix = literal_prefix(source)
             if prefix:
                 table = self.by_length.setdefault(len(prefix), {})
                 table.setdefault(prefix, []).append(i)
@@ -170,7 +173,7 @@ class _Block:
         if self.uses < Matcher.JOIN_AFTER:
             return None
         self.uses = -1
-        rules = self._matcher.rules
+        rules = self._matcher.sources
         if not any(_UNJOINABLE.search(rules[i]) for i in self.indices):
             try:
                 self._joined = re.compile(

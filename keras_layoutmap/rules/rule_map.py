@@ -71,6 +71,10 @@ class RuleMap(keras_distribution.LayoutMap):
         self.max_replicated_bytes = max_replicated_bytes
         self._alternatives = {}  # rule -> (Layout, ...): its layouts in order
         self._patterns = {}  # rule -> compiled regex
+        # False: a rule fullmatches a key (TF-Keras 2). True: it matches
+        # anywhere in it, `re.search`, as `keras.distribution.LayoutMap`
+        # does; maps made from Keras' (`from_keras`) keep Keras' meaning.
+        self.search = False
         self._matcher = None
         self._version = 0  # bumped on every change: strict checks re-run
 
@@ -93,10 +97,7 @@ class RuleMap(keras_distribution.LayoutMap):
                 f"LayoutMap keys are regex strings. Received: {key!r} of type "
                 f"{type(key).__name__}"
             )
-        try:
-            pattern = re.compile(key)
-        except re.error as e:
-            raise ValueError(f"Rule {key!r} is not a valid regex: {e}") from None
+        pattern = self._compile(key)
         if key in self._layout_map:
             raise ValueError(
                 f"Rule {key!r} already exists in the LayoutMap with layout "
@@ -110,6 +111,22 @@ class RuleMap(keras_distribution.LayoutMap):
         self._alternatives[key] = layouts
         self._patterns[key] = pattern
         self._changed()
+
+    def _compile(self, key):
+        """Rule `key` as the regex matched against whole keys."""
+        try:
+            pattern = re.compile(key)
+        except re.error as e:
+            raise ValueError(f"Rule {key!r} is not a valid regex: {e}") from None
+        if not self.search:
+            return pattern
+        try:  # `re.search(key, s)` is `re.fullmatch(".*(?:key).*", s)`
+            return re.compile(f"(?s:.*?)(?:{key})(?s:.*)")
+        except re.error as e:
+            raise ValueError(
+                f"Rule {key!r} cannot match anywhere in a path as Keras' "
+                f"LayoutMap does ({e}); write its flags scoped, `(?i:...)`."
+            ) from None
 
     def _layouts_of(self, key, value):
         """`(layouts, mesh)` for the value given to rule `key`; raises
