@@ -8,7 +8,7 @@ import contextvars
 from keras import distribution as keras_distribution
 from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
-from keras_layoutmap import backends, paths
+from keras_layoutmap import backends, paths, strict
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.layout_map import LayoutMap
 from keras_layoutmap.mesh import as_mesh
@@ -109,7 +109,8 @@ class _Resolving:
         backend = backends.get()
         if not backend.SHARDING and self.device_mesh.size > 1:
             raise NotImplementedError(backend.NOT_BUILT)
-        return super().scope()
+        # A strict map checks the models made inside as the scope exits.
+        return strict.checked_scope(self.layout_map, super().scope())
 
     # Keras' own multi-process data handling (tf.data only, sharded per
     # process by Keras) is replaced by the backend's: with
@@ -146,6 +147,10 @@ class _Resolving:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
         source, layout = self.resolve_variable(variable)
+        if source is None and _CREATING.get() is not None:
+            # A layer is creating it: no memory is allocated yet.
+            strict.refuse_at_creation(self.layout_map, variable, layout,
+                                      weight_keys(variable)[0])
         variable._klm_rule = source
         return layout
 

@@ -25,7 +25,7 @@ import functools
 from keras import distribution as keras_distribution
 from keras import layers as keras_layers
 
-from keras_layoutmap import paths
+from keras_layoutmap import paths, strict
 from keras_layoutmap.distributions import creating_weight, replicated_on
 from keras_layoutmap.layout import as_layout
 
@@ -97,6 +97,7 @@ def _wrap_init(original):
         layouts = {**weight_layouts(self), **layouts}
         _set(self, "_klm_weight_layouts", layouts)
         _remember_mesh(self, layouts)
+        strict.note_made(self)  # a strict scope checks the models made in it
 
     return __init__
 
@@ -123,7 +124,11 @@ def _wrap_add_weight(original):
                 scope = remembered.scope()
         with creating_weight(self, name), scope:
             variable = original(self, *args, **kwargs)
-            _resolve_deferred(variable)
+            try:
+                _resolve_deferred(variable)
+            except strict.StrictModeError:
+                strict.forget_weight(self, variable)  # it has no memory yet
+                raise
         return variable
 
     return add_weight
