@@ -114,10 +114,11 @@ class LayoutMap(keras_distribution.LayoutMap):
         except re.error as e:
             raise ValueError(f"Rule {key!r} is not a valid regex: {e}") from None
         if key in self._layout_map:
+            # Begins as TF-Keras 2's message did: ported tests match it.
             raise ValueError(
-                f"Rule {key!r} already exists in the LayoutMap with layout "
-                f"{self._describe(key)}; delete it first "
-                "(`del layout_map[key]`) to replace it."
+                f"{key} already exist in the LayoutMap with value "
+                f"{self._describe(key)}: rule {key!r} is already there; "
+                "delete it first (`del layout_map[key]`) to replace it."
             )
         layouts, mesh = self._layouts_of(key, layout)
         if self._device_mesh is None:
