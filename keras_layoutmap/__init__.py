@@ -67,6 +67,7 @@ _LIGHT = not globals().get("_COMPLETE") and _locating_own_tool()
 
 if not _LIGHT:
     from keras_layoutmap import backends as _backends
+    from keras_layoutmap import distributions as _distributions
     from keras_layoutmap import initializers as _initializers
     from keras_layoutmap import layer_kwargs as _layer_kwargs
     from keras_layoutmap import metrics, optimizers
@@ -104,6 +105,7 @@ if not _LIGHT:
     )
 
     _backends.get().install()  # first: the wrappers below call what it patched
+    _distributions.install()  # set_distribution refuses non-distributions
     _layer_kwargs.install()
     _initializers.install()
     _metrics.install()

@@ -6,6 +6,8 @@ import contextlib
 import contextvars
 
 from keras import distribution as keras_distribution
+from keras.src import distribution as _keras_distribution_package
+from keras.src.distribution import distribution_lib as _keras_distribution_lib
 from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
 from keras_layoutmap import backends, paths, strict
@@ -33,8 +35,42 @@ def distribution():
 
 
 def set_distribution(value):
-    """Make `value` the global distribution (None to clear it)."""
-    keras_distribution.set_distribution(value)
+    """Make `value` the global distribution (None to clear it); anything
+    else is a `TypeError` naming it, with nothing changed."""
+    check_distribution(value)
+    _keras_set_distribution(value)
+
+
+# Keras' own (also when this module is imported again after `install`).
+_keras_set_distribution = getattr(_keras_distribution_lib.set_distribution,
+                                  "_klm_original",
+                                  _keras_distribution_lib.set_distribution)
+
+
+def check_distribution(value):
+    """Raise `TypeError` unless `value` is a Keras distribution or None."""
+    if value is None or isinstance(value, _KerasDistribution):
+        return
+    hint = (" To apply a LayoutMap, pass `layout_map.distribution()` or use "
+            "`with layout_map.scope():`." if isinstance(
+                value, keras_distribution.LayoutMap) else "")
+    raise TypeError(
+        "set_distribution() and scope() take a Keras distribution "
+        "(`klm.DataParallel`, `klm.ModelParallel`, "
+        "`keras.distribution.DataParallel`, ...) or None. Received: "
+        f"{value!r} of type {type(value).__name__}.{hint}"
+    )
+
+
+def install():
+    """`keras.distribution.set_distribution` (and the one Keras' own
+    `Distribution.scope()` calls) refuse what is not a distribution."""
+    if hasattr(_keras_distribution_lib.set_distribution, "_klm_original"):
+        return
+    set_distribution._klm_original = _keras_set_distribution
+    for module in (_keras_distribution_lib, keras_distribution,
+                   _keras_distribution_package):
+        module.set_distribution = set_distribution
 
 
 def _kwarg_layout(layer, name):
