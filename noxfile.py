@@ -29,6 +29,9 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox
 MIN_PYTHON = (3, 11)  # keras>=3.15's own Requires-Python
+# What the test sessions install: exact versions, CPU builds. The package's
+# extras (pyproject.toml) state the ranges it supports (`torch>=2.5`,
+# `tensorflow>=2.21` or `tensorflow-cpu>=2.21`), which these satisfy.
 TORCH = "torch==2.13.0"  # the CPU build; a looser pin pulls CUDA wheels
 # keras-hub's declared dependencies pull full TensorFlow through
 # tensorflow-text; the backbones we build from a config need none of it.
@@ -74,7 +77,8 @@ def tests_jax(session):
 @nox.session(name="tests-tensorflow", python=PYTHON)
 def tests_tensorflow(session):
     _check_python(session)
-    session.install("-e", ".[tensorflow,test]")
+    # tensorflow-cpu, explicitly: the `tensorflow` extra is full TensorFlow.
+    session.install("-e", ".[tensorflow-cpu,test]")
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     _pytest(session, "tensorflow")
@@ -89,7 +93,8 @@ MESH_TESTS = "sharding or training"
 def tests_torch(session):
     _check_python(session)
     session.install(TORCH)
-    session.install("-e", ".[test]")
+    # The `torch` extra's range holds the pinned build, which pip keeps.
+    session.install("-e", ".[torch,test]")
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes")
@@ -116,7 +121,7 @@ def example(session):
 def bench(session):
     """The figures of benchmarks/: JAX, TensorFlow (DTensor against
     MirroredStrategy) and the two side by side."""
-    session.install("-e", ".[jax,tensorflow,test]")
+    session.install("-e", ".[jax,tensorflow-cpu,test]")
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",

@@ -7,7 +7,7 @@ import contextlib
 from keras import distribution as keras_distribution
 from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
-from keras_layoutmap import backends
+from keras_layoutmap import backends, strict
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import as_mesh
 from keras_layoutmap.rules.resolve import creating_layer, resolve_weight, weight_keys
@@ -39,7 +39,8 @@ class _Resolving:
         backend = backends.get()
         if not backend.SHARDING and self.device_mesh.size > 1:
             raise NotImplementedError(backend.NOT_BUILT)
-        return super().scope()
+        # A strict map checks the models made inside as the scope exits.
+        return strict.checked_scope(self.layout_map, super().scope())
 
     # Keras' own multi-process data handling (tf.data only, sharded per
     # process by Keras) is replaced by the backend's: with
@@ -75,6 +76,10 @@ class _Resolving:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
         source, layout = self.resolve_variable(variable)
+        if source is None and creating_layer() is not None:
+            # A layer is creating it: no memory is allocated yet.
+            strict.refuse_at_creation(self.layout_map, variable, layout,
+                                      weight_keys(variable)[0])
         variable._klm_rule = source
         return layout
 

@@ -10,6 +10,12 @@ import dataclasses
 import io
 
 from keras_layoutmap import paths
+from keras_layoutmap.findings import (  # noqa: F401 - public here too
+    Finding,
+    StrictModeError,
+    replicated_weight,
+    unused_rule,
+)
 from keras_layoutmap.layout import layout_bytes_per_device
 from keras_layoutmap.rules.resolve import resolve_weight
 
@@ -36,27 +42,6 @@ class WeightRow:
     alternative: object = None
     alternatives: int = 1
     refused: tuple = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """A strict-mode finding: `kind` is `"unused_rule"` (a rule that matches
-    no weight) or `"replicated_weight"` (a weight above the map's
-    `max_replicated_bytes` that no rule chose); `subject` is the rule or the
-    weight's path."""
-
-    kind: str
-    subject: str
-    message: str
-
-
-class StrictModeError(ValueError):
-    """Strict mode found rules that match nothing or large weights that no
-    rule places; `findings` lists them."""
-
-    def __init__(self, message, findings):
-        super().__init__(message)
-        self.findings = list(findings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,21 +162,14 @@ class Report:
 
 
 def _findings(rows, unused, layout_map):
+    """Strict mode's findings, worded as at a weight's creation."""
     limit = layout_map.max_replicated_bytes
-    found = [
-        Finding("unused_rule", rule, f"rule {rule!r} matches no weight")
-        for rule in unused
+    found = [unused_rule(rule) for rule in unused]
+    found += [
+        replicated_weight(layout_map, r.object_path, r.path, r.shape,
+                          r.bytes_per_device)
+        for r in rows if r.rule is None and r.bytes_per_device > limit
     ]
-    for r in rows:
-        if r.rule is None and r.bytes_per_device > limit:
-            found.append(Finding(
-                "replicated_weight", r.path,
-                f"weight {r.object_path!r} ({r.path}, shape {r.shape}, "
-                f"{r.bytes_per_device:,} bytes) matches no rule and is "
-                f"replicated on every device; strict mode allows at most "
-                f"{limit:,} bytes (max_replicated_bytes). Add a rule for it, "
-                "or one that replicates it on purpose.",
-            ))
     return found
 
 

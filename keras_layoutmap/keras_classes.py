@@ -22,6 +22,7 @@ True
 
 import keras
 from keras import distribution as keras_distribution
+from keras.src import distribution as keras_distribution_package
 from keras.src.distribution import distribution_lib
 
 from keras_layoutmap.distributions import DataParallel, ModelParallel, _Resolving
@@ -38,10 +39,14 @@ def as_klm(value):
     if value is None or isinstance(value, _Resolving):
         return value
     if not isinstance(value, distribution_lib.Distribution):
+        hint = (" To apply a LayoutMap, pass `layout_map.distribution()` or "
+                "use `with layout_map.scope():`." if isinstance(
+                    value, keras_distribution.LayoutMap) else "")
         raise TypeError(
-            "set_distribution() takes a `keras.distribution.Distribution` "
-            "(e.g. `klm.DataParallel(mesh)`, `layout_map.distribution()`) "
-            f"or None. Received: {value!r} of type {type(value).__name__}"
+            "set_distribution() and scope() take a Keras distribution "
+            "(`klm.DataParallel`, `klm.ModelParallel`, "
+            "`keras.distribution.DataParallel`, ...) or None. Received: "
+            f"{value!r} of type {type(value).__name__}.{hint}"
         )
     if isinstance(value, keras_distribution.ModelParallel):
         key = ("mp", _rules_key(value._layout_map))
@@ -80,6 +85,6 @@ def install():
         """Set the global distribution (a Keras class runs as klm's)."""
         original(as_klm(value))
 
-    distribution_lib.set_distribution = set_distribution
-    keras_distribution.set_distribution = set_distribution
-    keras.distribution.set_distribution = set_distribution
+    for module in (distribution_lib, keras_distribution,
+                   keras_distribution_package, keras.distribution):
+        module.set_distribution = set_distribution

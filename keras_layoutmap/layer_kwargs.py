@@ -10,8 +10,11 @@ error that lists the weights it did create. The kwargs survive
 `get_config()` / `from_config()` and `model.save()` / `load_model()`.
 
 They are attributes too, as in TF-Keras 2: `Dense(kernel_layout=L).kernel_layout`
-is `L` (None when not given), and a custom layer that sets
-`self.kernel_layout = L` before `add_weight(name="kernel")` gets that layout.
+is `L`, and a layer given no `kernel_layout` has no such attribute
+(`hasattr(Dense(2), "kernel_layout")` is False), until it is set: a custom
+layer that sets `self.kernel_layout = L` before `add_weight(name="kernel")`
+gets that layout (`self.kernel_layout = None` reads back None, and places
+nothing).
 
 Installing also teaches every layer two things a distribution needs: the
 layer (and weight name) being created, for object paths, and the
@@ -25,7 +28,7 @@ import functools
 from keras import distribution as keras_distribution
 from keras import layers as keras_layers
 
-from keras_layoutmap import paths
+from keras_layoutmap import paths, strict
 from keras_layoutmap.distributions import replicated_on
 from keras_layoutmap.layout import as_layout
 from keras_layoutmap.rules.resolve import creating_weight, weight_layouts
@@ -91,8 +94,11 @@ def _wrap_init(original):
         paths.register(self)
         # A subclass may have set `self.<weight>_layout` before calling us.
         layouts = {**weight_layouts(self), **layouts}
+        for name in layouts:  # a `self.<name>_layout = None` made before
+            self.__dict__.pop(f"{name}{_SUFFIX}", None)
         _set(self, "_klm_weight_layouts", layouts)
         _remember_mesh(self, layouts)
+        strict.note_made(self)  # a strict scope checks the models made in it
 
     return __init__
 
@@ -119,7 +125,11 @@ def _wrap_add_weight(original):
                 scope = remembered.scope()
         with creating_weight(self, name), scope:
             variable = original(self, *args, **kwargs)
-            _resolve_deferred(variable)
+            try:
+                _resolve_deferred(variable)
+            except strict.StrictModeError:
+                strict.forget_weight(self, variable)  # it has no memory yet
+                raise
         return variable
 
     return add_weight
@@ -161,12 +171,15 @@ def _wrap_post_build(original):
 
 def _wrap_getattr(original):
     """`layer.<weight>_layout`: the layout given for weight `<weight>` (by
-    kwarg or attribute), or None. Only reached when normal lookup fails;
-    anything else goes to the original (torch's `nn.Module.__getattr__`)."""
+    kwarg or attribute); an `AttributeError` when none was (TF-Keras 2).
+    Only reached when normal lookup fails; anything else goes to the
+    original (torch's `nn.Module.__getattr__`)."""
 
     def __getattr__(self, name):
         if name.endswith(_SUFFIX) and not name.startswith("_"):
-            return weight_layouts(self).get(name[: -len(_SUFFIX)])
+            layout = weight_layouts(self).get(name[: -len(_SUFFIX)])
+            if layout is not None:
+                return layout
         if original is not None:
             return original(self, name)
         raise AttributeError(
@@ -177,7 +190,8 @@ def _wrap_getattr(original):
 
 def _set_weight_layout(layer, name, value):
     """`layer.<weight>_layout = value`: the TF-Keras 2 idiom of a custom
-    layer naming the layout of a weight it is about to create."""
+    layer naming the layout of a weight it is about to create. None places
+    nothing and reads back None, as a plain attribute did in TF-Keras 2."""
     layouts = dict(weight_layouts(layer))
     weight = name[: -len(_SUFFIX)]
     if value is None:
@@ -187,7 +201,10 @@ def _set_weight_layout(layer, name, value):
     _set(layer, "_klm_weight_layouts", layouts)
     if "_klm_distribution" in layer.__dict__:  # else __init__ decides
         _remember_mesh(layer, layouts)
-    layer.__dict__.pop(name, None)  # served by `_getattr`
+    if value is None:
+        _set(layer, name, None)
+    else:
+        layer.__dict__.pop(name, None)  # served by `_getattr`
 
 
 def _wrap_setattr(original):

@@ -1,14 +1,23 @@
-"""Strict mode: check a model's layout plan once it is built, before it
-trains, evaluates or predicts.
+"""Strict mode: refuse a layout plan that would spend memory it should not,
+as early as it can be seen.
 
-`klm.LayoutMap(mesh, strict=True)` refuses a plan in which a rule matches no
-weight (a renamed layer, a typo) or a weight larger than the map's
-`max_replicated_bytes` is replicated because no rule chose it. The check
-needs the whole model, so it runs when `fit`, `evaluate`, `predict` (or a
-`*_on_batch` method) first runs under the map: at once if the model is
-built, else from a callback's `on_*_begin`, after Keras has built the model
-and before the first step. Call `layout_map.check(model)` to check any
-time.
+`klm.LayoutMap(mesh, strict=True)` refuses two things:
+
+- a weight larger than the map's `max_replicated_bytes` that no rule (and no
+  `<weight>_layout=` kwarg) places, so that it would be replicated whole on
+  every device: refused *at its creation*, when the distribution chooses its
+  layout, before its initializer runs or any memory is allocated for it
+  (`refuse_at_creation`). The error names the weight's paths, its shape and
+  bytes, the mesh and the rules closest to its name (none of which matched);
+- a rule that matches no weight (a renamed layer, a typo): an error when a
+  scope of the map exits with the models made inside it built
+  (`checked_scope`), else when `fit`, `evaluate`, `predict` (or a
+  `*_on_batch` method) first runs under the map: at once if the model is
+  built, else from a callback's `on_*_begin`, after Keras has built the
+  model and before the first step.
+
+`layout_map.check(model)` checks any time; `layout_map.explain(model)` and
+`klm explain --strict` report the same findings, with the same messages.
 
 Example:
 
@@ -17,20 +26,128 @@ Example:
 >>> layout_map = klm.LayoutMap(mesh, strict=True)
 >>> layout_map[r"dense\\.kernel"] = (None, "batch")  # the layer is "d1"
 >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d1")])
->>> layout_map.check(model)
-Traceback (most recent call last):
-...
-keras_layoutmap.explain.StrictModeError: Strict mode: 1 problem(s) with the layout plan:
+>>> try:
+...     layout_map.check(model)
+... except klm.StrictModeError as e:
+...     print(e)
+Strict mode: 1 problem(s) with the layout plan:
   - rule 'dense\\\\.kernel' matches no weight
 """
 
+import contextlib
+import contextvars
 import inspect
+import weakref
 
 from keras_layoutmap.explain import explain
+from keras_layoutmap.findings import StrictModeError, replicated_weight
+from keras_layoutmap.layout import layout_bytes_per_device
 
 _BEGIN = {"fit": "on_train_begin", "evaluate": "on_test_begin",
           "predict": "on_predict_begin"}
 _CHECKED = (*_BEGIN, "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def refuse_at_creation(layout_map, variable, layout, object_path):
+    """Raise `StrictModeError` if `layout_map` is strict and `variable`, a
+    weight a layer is creating that no rule or kwarg places (so `layout`
+    replicates it), is above the map's `max_replicated_bytes`.
+
+    Called by the distribution while it chooses the weight's layout: before
+    the weight's initializer runs and before any memory is allocated."""
+    if layout_map is None or not getattr(layout_map, "strict", False):
+        return
+    shape = tuple(int(d) for d in variable.shape)
+    nbytes = layout_bytes_per_device(layout, shape, variable.dtype)
+    if nbytes <= layout_map.max_replicated_bytes:
+        return
+    finding = replicated_weight(layout_map, object_path, variable.path, shape,
+                                nbytes)
+    raise StrictModeError(
+        f"Strict mode refused to create weight {object_path or variable.path!r}"
+        " (nothing was allocated for it):\n"
+        f"  - {finding.message}",
+        [finding],
+    )
+
+
+def forget_weight(layer, variable):
+    """Undo what Keras did for a variable refused after its creation was
+    deferred (made in a `StatelessScope`, it holds no memory yet): untrack
+    it from `layer` and drop it from the variables Keras initialises when
+    the scope ends."""
+    from keras.src.backend.common import global_state
+
+    layer._untrack_variable(variable)
+    pending = global_state.get_global_attribute("uninitialized_variables")
+    if pending:
+        pending[:] = [v for v in pending if v is not variable]
+
+
+# -- a scope's exit ---------------------------------------------------------
+
+# The models made under the innermost checked scope (weak references).
+_MADE = contextvars.ContextVar("klm_strict_models", default=None)
+
+
+def note_made(layer):
+    """Remember `layer` if it is a model made under a checked scope."""
+    from keras import Model
+
+    made = _MADE.get()
+    if made is not None and isinstance(layer, Model):
+        made.append(weakref.ref(layer))
+
+
+def checked_scope(layout_map, scope):
+    """`scope` (a distribution's context manager); with a strict
+    `layout_map`, its normal exit checks the models made inside it that are
+    built (`check_models`)."""
+    if layout_map is None or not getattr(layout_map, "strict", False):
+        return scope
+    return _checked_scope(layout_map, scope)
+
+
+@contextlib.contextmanager
+def _checked_scope(layout_map, scope):
+    made = []
+    outer = _MADE.get()
+    token = _MADE.set(made)
+    try:
+        with scope:
+            yield
+    finally:
+        _MADE.reset(token)
+        if outer is not None:
+            outer.extend(made)
+    check_models(layout_map, [ref() for ref in made])
+
+
+def check_models(layout_map, models):
+    """Raise `StrictModeError` for `layout_map`'s plan over the built ones of
+    `models` (made under one scope of the map): a rule is unused when it
+    matches no weight of any of them. Models that pass are remembered."""
+    models = _outermost([m for m in models if m is not None and _built(m)])
+    if not models:
+        return
+    reports = [explain(m, layout_map) for m in models]
+    findings = {}
+    for report in reports:
+        for f in report.findings:
+            if f.kind != "unused_rule" or all(
+                    f.subject in r.unused_rules for r in reports):
+                findings.setdefault((f.kind, f.subject), f)
+    if findings:
+        raise StrictModeError(
+            f"Strict mode: {len(findings)} problem(s) with the layout plan of "
+            f"{', '.join(repr(m.name) for m in models)}, found as the scope "
+            "of the LayoutMap exited:\n"
+            + "\n".join(f"  - {f.message}" for f in findings.values()),
+            list(findings.values()),
+        )
+    for model, report in zip(models, reports):
+        if not report.findings:
+            model._klm_strict_ok = _stamp(layout_map)
 
 
 def _stamp(layout_map):
@@ -71,6 +188,18 @@ def run_checked(original, model, dist, args, kwargs):
         *callbacks, _check_callback(name, layout_map, _batch_spec(bound))
     ]
     return original(*bound.args, **bound.kwargs)
+
+
+def _outermost(models):
+    """`models` less those inside another of them (a nested model, the
+    Functional a Sequential keeps)."""
+    inner = set()
+    for model in models:
+        inner.update(id(m) for m in model._flatten_layers(include_self=False))
+        functional = getattr(model, "_functional", None)
+        if functional is not None:
+            inner.add(id(functional))
+    return [m for m in models if id(m) not in inner]
 
 
 def _built(model):

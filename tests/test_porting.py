@@ -123,10 +123,50 @@ def test_layout_kwargs_are_readable_attributes():
     layout = klm.Layout([None, "model"], mesh)
     dense = keras.layers.Dense(4, kernel_layout=layout)
     assert dense.kernel_layout == layout
-    assert dense.bias_layout is None
-    assert keras.layers.Dense(4).kernel_layout is None
+    # Only when given, as in TF-Keras 2.
+    assert not hasattr(dense, "bias_layout")
+    with pytest.raises(AttributeError, match="no attribute 'bias_layout'"):
+        dense.bias_layout  # noqa: B018
+    assert not hasattr(keras.layers.Dense(4, kernel_layout=None), "kernel_layout")
     with pytest.raises(AttributeError, match="no attribute 'kernel_layot_x'"):
         dense.kernel_layot_x  # noqa: B018
+
+
+# TF-Keras 2's tf_keras/dtensor/layers_test.py: each layer, made without a
+# layout, has no `<weight>_layout` attribute; made with one, has it (and
+# its config carries it).
+_LAYERS = [
+    ("Dense", lambda **kw: keras.layers.Dense(4, **kw), ["kernel", "bias"], 2),
+    ("Conv2D", lambda **kw: keras.layers.Conv2D(4, 3, **kw),
+     ["kernel", "bias"], 4),
+    ("SeparableConv2D", lambda **kw: keras.layers.SeparableConv2D(4, 3, **kw),
+     ["depthwise_kernel", "pointwise_kernel", "bias"], 4),
+    ("Embedding", lambda **kw: keras.layers.Embedding(10, 4, **kw),
+     ["embeddings"], 2),
+    ("BatchNormalization", lambda **kw: keras.layers.BatchNormalization(**kw),
+     ["gamma", "beta", "moving_mean", "moving_variance"], 1),
+    ("PReLU", lambda **kw: keras.layers.PReLU(**kw), ["alpha"], 3),
+]
+
+
+@pytest.mark.parametrize("name,make,weights,rank", _LAYERS,
+                         ids=[n for n, *_ in _LAYERS])
+def test_layout_attributes_exist_only_when_given(name, make, weights, rank):
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    plain = make()
+    for weight in weights:
+        assert not hasattr(plain, f"{weight}_layout"), weight
+        assert f"{weight}_layout" not in plain.get_config()
+    first, layout = f"{weights[0]}_layout", klm.Layout.replicated(mesh, rank)
+    given = make(**{first: layout})
+    assert getattr(given, first) == layout
+    for weight in weights[1:]:
+        assert not hasattr(given, f"{weight}_layout"), weight
+    # Serialized when given, and back.
+    config = given.get_config()
+    assert config[first] == layout.get_config()
+    assert [k for k in config if k.endswith("_layout")] == [first]
+    assert getattr(type(given).from_config(config), first) == layout
 
 
 class LayoutDense(keras.layers.Layer):

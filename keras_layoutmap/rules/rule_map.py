@@ -99,10 +99,11 @@ class RuleMap(keras_distribution.LayoutMap):
             )
         pattern = self._compile(key)
         if key in self._layout_map:
+            # Begins as TF-Keras 2's message did: ported tests match it.
             raise ValueError(
-                f"Rule {key!r} already exists in the LayoutMap with layout "
-                f"{self._describe(key)}; delete it first "
-                "(`del layout_map[key]`) to replace it."
+                f"{key} already exist in the LayoutMap with value "
+                f"{self._describe(key)}: rule {key!r} is already there; "
+                "delete it first (`del layout_map[key]`) to replace it."
             )
         layouts, mesh = self._layouts_of(key, layout)
         if self._device_mesh is None:
