@@ -1,0 +1,51 @@
+"""The torch backend's Keras internals (see `keras_layoutmap.keras_internals`).
+
+3.15 -> 3.16: `keras.src.backend.torch.{core,nn,numpy}` became
+`...torch.ops.{core,nn,numpy}`; `TorchTrainer` became `Trainer` (with DDP for
+`DataParallel`, metrics all-reduced over processes, and
+`_distribute_data` / `TorchEpochIterator._get_distributed_iterator` for
+`ModelParallel`); and Keras ships a torch `distribution_lib` (DTensor meshes
+and layouts, `distribute_tensor`, `distribute_data_input`), which 3.15 lacks
+(`keras_distribution_lib` is None there: our stand-in
+`keras_layoutmap.backends.torch.keras_distribution` takes its place).
+"""
+
+from keras_layoutmap.keras_internals import modules_holding, optional, private
+
+core = private("keras.src.backend.torch.ops.core", "keras.src.backend.torch.core")
+Variable = core.Variable
+convert_to_numpy = core.convert_to_numpy
+convert_to_tensor = core.convert_to_tensor
+get_device = core.get_device
+to_torch_dtype = core.to_torch_dtype
+CONVERT_TO_NUMPY_MODULES = modules_holding(
+    "convert_to_numpy",
+    "keras.src.backend",  # 3.15
+    "keras.src.backend.torch",  # 3.15
+    "keras.src.backend.torch.ops",  # 3.16
+    core.__name__,
+)
+
+# Modules whose functions are replaced in place (Keras calls them through
+# the module: `backend.nn.conv` on 3.15, `backend.ops.nn.conv` on 3.16).
+nn = private("keras.src.backend.torch.ops.nn", "keras.src.backend.torch.nn")
+numpy = private("keras.src.backend.torch.ops.numpy", "keras.src.backend.torch.numpy")
+NN_FUNCTIONS = ("dot_product_attention", "conv", "depthwise_conv",
+                "separable_conv", "conv_transpose")
+for _name in NN_FUNCTIONS:
+    private(f"{nn.__name__}:{_name}")
+private(f"{numpy.__name__}:take")
+
+random = private("keras.src.backend.torch.random")
+torch_seed_generator = private("keras.src.backend.torch.random:torch_seed_generator")
+private("keras.src.backend.torch.random:dropout")
+
+trainer = private("keras.src.backend.torch.trainer")
+Trainer = private("keras.src.backend.torch.trainer:Trainer",
+                  "keras.src.backend.torch.trainer:TorchTrainer")
+TorchOptimizer = private(
+    "keras.src.backend.torch.optimizers.torch_optimizer:TorchOptimizer")
+
+# Keras' own torch distribution_lib (3.16+), else None.
+keras_distribution_lib = optional("keras.src.backend.torch.distribution_lib")
+HAS_KERAS_DISTRIBUTION_LIB = keras_distribution_lib is not None
