@@ -24,7 +24,9 @@ import nox
 # docs is in the default list: it needs no backend (mkdocstrings reads the
 # source), builds in 4 s (13-34 s with a fresh 177 MB venv), and so catches a
 # broken docs link or a public name left out of the API reference every run.
-nox.options.sessions = ["lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch"]
+nox.options.sessions = ["lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch",
+                         "tests-keras-next-jax", "tests-keras-next-tensorflow",
+                         "tests-keras-next-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox
@@ -98,6 +100,58 @@ def tests_torch(session):
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes")
+    logs = session.create_tmp()
+    session.run(
+        "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
+        "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
+        f"--timeout={TORCH_TEST_TIMEOUT}",
+        "-m", f"({MESH_TESTS}) and not processes",
+        *session.posargs,
+        env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
+    )
+
+
+# Keras' next release, before it ships: the nightly builds replace `keras`
+# and `keras-hub` (they provide the same packages). Pinned, so that CI runs
+# what was tested; move the pins forward with a green run, and raise the
+# `keras` range of pyproject.toml (and keras_internals.SUPPORTED_KERAS) only
+# with one on the release. These sessions run the sharding and training
+# tests (`-m "sharding or training"`), plus the seam's own tests: the whole
+# suite twice would take nox past 45 minutes on 2 cores.
+KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
+              "keras-hub-nightly==0.33.0.dev202610250352"]
+
+def _install_keras_next(session):
+    session.run_install("python", "-m", "pip", "uninstall", "--yes", "--quiet",
+                        "keras", "keras-hub", "keras-nightly", "keras-hub-nightly")
+    session.install("--no-deps", *KERAS_NEXT)
+
+
+@nox.session(name="tests-keras-next-jax", python=PYTHON)
+def tests_keras_next_jax(session):
+    _check_python(session)
+    session.install("-e", ".[jax,test]")
+    session.install(*KERAS_HUB_DEPS)
+    _install_keras_next(session)
+    _pytest(session, "jax", "-m", f"({MESH_TESTS}) or keras_internals")
+
+
+@nox.session(name="tests-keras-next-tensorflow", python=PYTHON)
+def tests_keras_next_tensorflow(session):
+    _check_python(session)
+    session.install("-e", ".[tensorflow-cpu,test]")
+    session.install(*KERAS_HUB_DEPS)
+    _install_keras_next(session)
+    _pytest(session, "tensorflow", "-m", f"({MESH_TESTS}) or keras_internals")
+
+
+@nox.session(name="tests-keras-next-torch", python=PYTHON)
+def tests_keras_next_torch(session):
+    _check_python(session)
+    session.install(TORCH)
+    session.install("-e", ".[torch,test]")
+    session.install(*KERAS_HUB_DEPS)
+    _install_keras_next(session)
     logs = session.create_tmp()
     session.run(
         "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),

@@ -66,6 +66,8 @@ __all__ = [
 _LIGHT = not globals().get("_COMPLETE") and _locating_own_tool()
 
 if not _LIGHT:
+    # First: an unsupported Keras is one clear ImportError naming the range.
+    from keras_layoutmap import keras_internals as _keras_internals  # noqa: F401, I001
     from keras_layoutmap import backends as _backends
     from keras_layoutmap import initializers as _initializers
     from keras_layoutmap import keras_classes as _keras_classes

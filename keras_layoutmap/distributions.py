@@ -5,9 +5,9 @@ a final short batch."""
 import contextlib
 
 from keras import distribution as keras_distribution
-from keras.src.distribution.distribution_lib import Distribution as _KerasDistribution
 
 from keras_layoutmap import backends, strict
+from keras_layoutmap.keras_internals import KerasDistribution as _KerasDistribution
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import as_mesh
 from keras_layoutmap.rules.resolve import creating_layer, resolve_weight, weight_keys

@@ -22,10 +22,14 @@ True
 
 import keras
 from keras import distribution as keras_distribution
-from keras.src import distribution as keras_distribution_package
-from keras.src.distribution import distribution_lib
 
 from keras_layoutmap.distributions import DataParallel, ModelParallel, _Resolving
+from keras_layoutmap.keras_internals import (
+    distribution_module as distribution_lib,
+)
+from keras_layoutmap.keras_internals import (
+    distribution_package as keras_distribution_package,
+)
 from keras_layoutmap.rules.rule_map import RuleMap
 
 

@@ -158,3 +158,8 @@ def backend_distribution_lib():
     """The running backend's `distribution_lib` that `keras.distribution`
     uses (None where Keras has none: torch on 3.15)."""
     return getattr(distribution_module, "distribution_lib", None)
+# `keras.src.distribution` (the package `keras.distribution` re-exports):
+# `set_distribution` is replaced on it too.
+distribution_package = private("keras.src.distribution")
+# Keras' global attributes (the variables a stateless scope initialises).
+global_state = private("keras.src.backend.common.global_state")

@@ -20,7 +20,8 @@ import weakref
 
 from keras import layers as keras_layers
 from keras import models as keras_models
-from keras.src.models.functional import Functional
+
+from keras_layoutmap.keras_internals import Functional
 
 # Child -> parent links, found by scanning layers that may have gained
 # children since the last scan (new layers, and layers that were given a

@@ -39,10 +39,9 @@ True
 
 import weakref
 
-from keras.src.optimizers.base_optimizer import BaseOptimizer
-
 from keras_layoutmap import backends, paths
 from keras_layoutmap.distributions import _Resolving
+from keras_layoutmap.keras_internals import BaseOptimizer
 from keras_layoutmap.layout import as_layout
 from keras_layoutmap.rules.resolve import resolve_weight
 

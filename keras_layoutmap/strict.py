@@ -41,6 +41,7 @@ import weakref
 
 from keras_layoutmap.explain import explain
 from keras_layoutmap.findings import StrictModeError, replicated_weight
+from keras_layoutmap.keras_internals import global_state
 from keras_layoutmap.layout import layout_bytes_per_device
 
 _BEGIN = {"fit": "on_train_begin", "evaluate": "on_test_begin",
@@ -76,8 +77,6 @@ def forget_weight(layer, variable):
     deferred (made in a `StatelessScope`, it holds no memory yet): untrack
     it from `layer` and drop it from the variables Keras initialises when
     the scope ends."""
-    from keras.src.backend.common import global_state
-
     layer._untrack_variable(variable)
     pending = global_state.get_global_attribute("uninitialized_variables")
     if pending:

@@ -11,6 +11,8 @@ import pytest
 import keras_layoutmap
 from keras_layoutmap import backends, keras_internals
 
+pytestmark = pytest.mark.keras_internals
+
 SEAM = pathlib.Path(keras_internals.__file__)
 BACKEND_SEAM = f"keras_layoutmap.backends.{backends.name()}.keras_internals"
 
@@ -18,7 +20,8 @@ NEUTRAL_NAMES = (
     "tree", "floatx", "standardize_dtype", "initializers", "StatelessScope",
     "TensorLayout", "Variable", "Model", "KerasDistribution", "Functional",
     "BaseOptimizer", "in_stateless_scope", "get_keras_mask", "set_keras_mask",
-    "standardize_data_format", "distribution_module",
+    "standardize_data_format", "distribution_module", "distribution_package",
+    "global_state",
 )
 BACKEND_NAMES = {
     "jax": ("core", "Variable", "JaxVariable", "convert_to_numpy",

@@ -15,9 +15,9 @@ import inspect
 import threading
 
 import numpy as np
-from keras.src import initializers as keras_initializers
-from keras.src.backend import config as keras_config
-from keras.src.backend import standardize_dtype
+
+from keras_layoutmap.keras_internals import floatx, standardize_dtype
+from keras_layoutmap.keras_internals import initializers as keras_initializers
 
 KINDS = ("uniform", "normal", "truncated_normal")
 _PARAMS = {"uniform": ("minval", "maxval"),
@@ -83,7 +83,7 @@ def record_draw(initializer, shape, dtype, random_module, placeholder,
         def draw(shape, *args, dtype=None, seed=None, **kwargs):
             params = dict(zip(_PARAMS[kind], args))
             params.update(kwargs)
-            dtype = standardize_dtype(dtype or keras_config.floatx())
+            dtype = standardize_dtype(dtype or floatx())
             value = placeholder(tuple(shape), dtype)
             draws.append(Draw(kind, tuple(shape), dtype, params, seed, value))
             return value

@@ -7,12 +7,8 @@ module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
 
-import keras.src.backend as keras_backend
-from keras.src.backend import jax as keras_jax
-from keras.src.backend.jax import core as keras_jax_core
-from keras.src.backend.jax import trainer as keras_jax_trainer
-
 from keras_layoutmap.backends.jax import initialization, placement, training
+from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.placement import (  # noqa: F401
     configure_virtual_devices,
     distribute,
@@ -40,23 +36,20 @@ NOT_BUILT = None
 
 
 def install():
-    Trainer = keras_jax_trainer.JAXTrainer
-    keras_jax_trainer.JAXEpochIterator._get_distributed_iterator = (
-        training.distributed_iterator
-    )
+    Trainer = keras_jax.Trainer
+    training.install_iterator(keras_jax.EpochIterator)
     Trainer.make_predict_function = training.wrap_make_predict_function(
         Trainer.make_predict_function)
     # Values read on the host (get_weights, save_weights, callbacks) are
     # gathered when the mesh spans processes.
-    convert_to_numpy = placement.wrap_convert_to_numpy(
-        keras_jax_core.convert_to_numpy)
-    for module in (keras_backend, keras_jax, keras_jax_core):
+    convert_to_numpy = placement.wrap_convert_to_numpy(keras_jax.convert_to_numpy)
+    for module in keras_jax.CONVERT_TO_NUMPY_MODULES:
         module.convert_to_numpy = convert_to_numpy
-    keras_jax_core.Variable.__array__ = placement.variable_array
-    keras_jax_core.JaxVariable._initialize = (
-        placement.wrap_initialize_keeps_value_layout(
-            keras_jax_core.JaxVariable._initialize))
+    keras_jax.Variable.__array__ = placement.variable_array
+    JaxVariable = keras_jax.JaxVariable
+    JaxVariable._initialize = placement.wrap_initialize_keeps_value_layout(
+        JaxVariable._initialize)
     # Weights made under a distribution are born sharded.
-    keras_jax_core.JaxVariable._initialize_with_initializer = (
+    JaxVariable._initialize_with_initializer = (
         initialization.wrap_initialize_with_initializer(
-            keras_jax_core.JaxVariable._initialize_with_initializer))
+            JaxVariable._initialize_with_initializer))

@@ -42,10 +42,11 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec
-from keras.src.backend import standardize_dtype
-from keras.src.backend.jax import random as keras_jax_random
+from keras import distribution as keras_distribution
 
 from keras_layoutmap.backends import initializer_draws
+from keras_layoutmap.backends.jax import keras_internals as keras_jax
+from keras_layoutmap.keras_internals import standardize_dtype
 
 # Elements drawn at once by one device: counters, bits and floats of a block
 # are a few times this, in bytes, per device.
@@ -60,7 +61,7 @@ def record_draw(initializer, shape, dtype):
     """The single draw `initializer(shape, dtype)` returns untouched, found
     by tracing it abstractly (no memory); None for anything else."""
     return initializer_draws.record_draw(
-        initializer, shape, dtype, keras_jax_random,
+        initializer, shape, dtype, keras_jax.random,
         lambda shape, dtype: jnp.zeros(shape, dtype), run=jax.eval_shape)
 
 
@@ -78,7 +79,7 @@ def _threefry_seed_ok(seed):
 
 
 def _key_data(seed):
-    key = keras_jax_random.jax_draw_seed(seed)  # advances a SeedGenerator
+    key = keras_jax.jax_draw_seed(seed)  # advances a SeedGenerator
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return np.asarray(key, dtype=np.uint32).reshape(2)
@@ -289,11 +290,10 @@ def wrap_initialize_with_initializer(original):
     layout is made by `born_sharded` when its initializer is covered."""
 
     def _initialize_with_initializer(self, initializer):
-        from keras.src.distribution.distribution_lib import TensorLayout
-
         self._initialize_layout()
         layout = self._layout
-        sharding = (layout.backend_layout if isinstance(layout, TensorLayout)
+        sharding = (layout.backend_layout
+                    if isinstance(layout, keras_distribution.TensorLayout)
                     else layout)
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
             value = born_sharded(initializer, self._shape, self._dtype,

@@ -5,8 +5,8 @@ import functools
 
 import jax
 import numpy as np
-from keras.src.backend.jax import core as keras_jax_core
 
+from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
     set_cpu_devices,
     to_host,
@@ -126,7 +126,7 @@ def unplace_variable(variable):
 def wrap_convert_to_numpy(original):
     @functools.wraps(original)
     def convert_to_numpy(x):
-        if isinstance(x, keras_jax_core.Variable):
+        if isinstance(x, keras_jax.Variable):
             x = x.value
         return original(to_host(x))
 

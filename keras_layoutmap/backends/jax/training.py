@@ -5,9 +5,10 @@ gathered to every process."""
 import functools
 
 import jax
-from keras.src import tree
-from keras.src.backend.jax import trainer as keras_jax_trainer
+from keras import distribution as keras_distribution
+from keras import tree
 
+from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
     gather_process_batches,
     global_array,
@@ -43,8 +44,29 @@ def distributed_iterator(self, distribution):
         if several:
             yield tree.map_structure(place, data)
         else:
-            yield keras_jax_trainer._distribute_data(
+            yield keras_jax.distribute_data(
                 data, tree.map_structure(layout_for, data))
+
+
+def install_iterator(EpochIterator):
+    """Feed `fit` & co. through `distributed_iterator` whenever a
+    distribution is active: Keras 3.15 asks `_get_distributed_iterator`
+    for one; 3.16 makes every iterator in `_get_iterator` (which computes a
+    layout per batch but makes no global batch across processes), so it is
+    wrapped there, for one batch per step."""
+    if keras_jax.get_distributed_iterator is not None:  # Keras 3.15
+        EpochIterator._get_distributed_iterator = distributed_iterator
+        return
+    original = EpochIterator._get_iterator
+
+    @functools.wraps(original)
+    def _get_iterator(self):
+        distribution = keras_distribution.distribution()
+        if distribution is None or self.steps_per_execution > 1:
+            return original(self)
+        return distributed_iterator(self, distribution)
+
+    EpochIterator._get_iterator = _get_iterator
 
 
 def wrap_make_predict_function(original):

@@ -19,15 +19,6 @@ multi-client). This module is the backend interface (see
 
 import os
 
-import keras.src.backend as keras_backend
-from keras.src.backend import tensorflow as keras_tf
-from keras.src.backend.tensorflow import core as keras_tf_core
-from keras.src.backend.tensorflow import distribution_lib as keras_tf_distribution_lib
-from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
-from keras.src.backend.tensorflow import random as keras_tf_random
-from keras.src.backend.tensorflow import trainer as keras_tf_trainer
-from keras.src.models import model as keras_model
-
 from keras_layoutmap.backends.tensorflow import (
     export,
     gather,
@@ -36,6 +27,7 @@ from keras_layoutmap.backends.tensorflow import (
     sparse_updates,
     training,
 )
+from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow import variables as dvariables
 from keras_layoutmap.backends.tensorflow.placement import (  # noqa: F401
     configure_virtual_devices,
@@ -59,6 +51,7 @@ from keras_layoutmap.backends.tensorflow.variables import (  # noqa: F401
     relayout_variable,
     unplace_variable,
 )
+from keras_layoutmap.keras_internals import Model
 
 SHARDING = True
 TRAINING = True
@@ -73,42 +66,42 @@ def install():
     os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
-    keras_tf_distribution_lib.distribute_tensor = placement.distribute_tensor_hook
+    keras_tf.distribution_lib.distribute_tensor = placement.distribute_tensor_hook
 
     # Variables: made as DVariables, assigned, read back to the host.
-    Variable = keras_tf_core.Variable
+    Variable = keras_tf.Variable
     Variable._initialize = dvariables.wrap_initialize_keeps_value_layout(
         dvariables.wrap_initialize(Variable._initialize))
     Variable._direct_assign = dvariables.wrap_direct_assign(Variable._direct_assign)
     Variable.numpy = dvariables.wrap_numpy(Variable.numpy)
     Variable.__array__ = dvariables.variable_array
-    convert_to_numpy = dvariables.wrap_convert_to_numpy(keras_tf_core.convert_to_numpy)
-    for module in (keras_backend, keras_tf, keras_tf_core):
+    convert_to_numpy = dvariables.wrap_convert_to_numpy(keras_tf.convert_to_numpy)
+    for module in keras_tf.CONVERT_TO_NUMPY_MODULES:
         module.convert_to_numpy = convert_to_numpy
 
     # Training: steps on the mesh, random draws made whole inside them.
-    Trainer = keras_tf_trainer.TensorFlowTrainer
+    Trainer = keras_tf.Trainer
     Trainer._make_function = training.wrap_make_function(Trainer._make_function)
     Trainer.make_predict_function = training.wrap_make_predict_function(
         Trainer.make_predict_function)
     for name in ("fit", "evaluate", "predict"):
         setattr(Trainer, name, training.wrap_takes_host_data(getattr(Trainer, name)))
     for name in ("normal", "uniform", "truncated_normal", "randint"):
-        setattr(keras_tf_random, name,
-                random_draws.wrap_random(getattr(keras_tf_random, name)))
-    keras_tf_random.dropout = random_draws.wrap_dropout(keras_tf_random.dropout)
-    Optimizer = keras_tf_optimizer.TFOptimizer
+        setattr(keras_tf.random, name,
+                random_draws.wrap_random(getattr(keras_tf.random, name)))
+    keras_tf.random.dropout = random_draws.wrap_dropout(keras_tf.random.dropout)
+    Optimizer = keras_tf.TFOptimizer
     for name in ("assign_add", "assign_sub"):  # an embedding's sparse update
         setattr(Optimizer, name, sparse_updates.wrap_sparse_update(
             getattr(Optimizer, name)))
 
     # Models: inputs checked when called eagerly, exported without DTensor.
-    keras_model.Model.export = export.wrap_export(keras_model.Model.export)
-    keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
+    Model.export = export.wrap_export(Model.export)
+    Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.
     Variable.value = gather.wrap_value(Variable.value)
     Variable.handle = property(gather.handle)
-    keras_model.Model.__call__ = gather.wrap_model_call(keras_model.Model.__call__)
+    Model.__call__ = gather.wrap_model_call(Model.__call__)
 
 

@@ -32,9 +32,11 @@ Example:
 import threading
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import random as keras_tf_random
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow.keras_internals import (
+    random as keras_tf_random,
+)
 from keras_layoutmap.backends.tensorflow.placement import to_dlayout
 
 # Weights smaller than this are drawn whole (one device's values).

@@ -5,9 +5,9 @@ gathered back to the host."""
 
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow import core as keras_tf_core
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow.processes import (
     device_spec,
     global_device_count,
@@ -82,7 +82,7 @@ def to_dlayout(layout):
 
 def value_of(x):
     """A tensor for `x`: a Keras or tf variable's current value."""
-    if isinstance(x, keras_tf_core.Variable):
+    if isinstance(x, keras_tf.Variable):
         x = x.value
     if isinstance(x, tf.Variable):
         x = x.read_value()

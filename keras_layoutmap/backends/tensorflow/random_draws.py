@@ -7,9 +7,11 @@ import contextvars
 import functools
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import random as keras_tf_random
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow.keras_internals import (
+    random as keras_tf_random,
+)
 from keras_layoutmap.backends.tensorflow.placement import (
     mesh_distribution,
     to_dmesh,

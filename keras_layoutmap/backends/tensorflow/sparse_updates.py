@@ -12,8 +12,8 @@ added whole. The numbers are one device's, up to the order of the sums.
 
 import functools
 
+import keras
 import tensorflow as tf
-from keras.src import backend
 from tensorflow.experimental import dtensor
 
 
@@ -24,7 +24,7 @@ def wrap_sparse_update(original):
     @functools.wraps(original)
     def update(self, variable, value):
         if isinstance(value, tf.IndexedSlices):
-            target = (variable.value if isinstance(variable, backend.Variable)
+            target = (variable.value if isinstance(variable, keras.Variable)
                       else variable)
             if isinstance(target, dtensor.DVariable):
                 value = tf.convert_to_tensor(value)

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import tensorflow as tf
+from keras import tree
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import (
@@ -30,8 +31,6 @@ from keras_layoutmap.layout import as_layout
 def _check_inputs_on_mesh(model, inputs):
     """Refuse, before DTensor does, a plain tensor passed eagerly to a model
     whose variables live on a mesh: say what to do instead."""
-    from keras.src import tree
-
     variables = model.variables
     if not variables or not is_dtensor(variables[0]._value):
         return
@@ -75,7 +74,6 @@ def _pack_batch(data, dist):
     """`data` (a nest of host arrays or tensors) placed on the mesh: each
     leaf by the distribution's data layout for its shape. Leaves already on
     the distribution's mesh are left as they are."""
-    from keras.src import tree
     dmesh = to_dmesh(dist.device_mesh)
     gather = process_count() > 1 and not dist.auto_shard_dataset
 
@@ -213,8 +211,6 @@ def wrap_make_predict_function(original):
         keras_function = self.predict_function
 
         def predict_function(data):
-            from keras.src import tree
-
             dist = mesh_distribution()
             if dist is None:
                 return keras_function(data)
@@ -234,8 +230,6 @@ def wrap_takes_host_data(original):
 
     @functools.wraps(original)
     def method(self, x=None, *args, **kwargs):
-        from keras.src import tree
-
         if isinstance(x, (tf.Tensor, dict, list, tuple)):
             for leaf in tree.flatten(x):
                 if isinstance(leaf, tf.Tensor) and is_dtensor(leaf):

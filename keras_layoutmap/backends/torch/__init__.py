@@ -10,17 +10,6 @@ Keras' own steps. This module is the backend interface (see
 
 import logging
 
-import keras.src.backend as keras_backend
-from keras.src.backend import torch as keras_torch
-from keras.src.backend.torch import core as keras_torch_core
-from keras.src.backend.torch import nn as keras_torch_nn
-from keras.src.backend.torch import numpy as keras_torch_numpy
-from keras.src.backend.torch import random as keras_torch_random
-from keras.src.backend.torch import trainer as keras_torch_trainer
-from keras.src.backend.torch.optimizers import torch_optimizer
-from keras.src.distribution import distribution_lib as keras_distribution_lib
-from keras.src.models import model as keras_model
-
 from keras_layoutmap.backends.torch import (
     attention,
     convolution,
@@ -32,6 +21,7 @@ from keras_layoutmap.backends.torch import (
     training,
     variables,
 )
+from keras_layoutmap.backends.torch import keras_internals as keras_torch
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
     distribute,
     fetch_layout,
@@ -54,6 +44,7 @@ from keras_layoutmap.backends.torch.variables import (  # noqa: F401
     relayout_variable,
     unplace_variable,
 )
+from keras_layoutmap.keras_internals import Model, distribution_module
 
 SHARDING = True
 TRAINING = True
@@ -71,35 +62,37 @@ def install():
     # same order, and the warning repeats every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(
         logging.ERROR)
-    Variable = keras_torch_core.Variable
+    Variable = keras_torch.Variable
     Variable._initialize = variables.wrap_initialize(Variable._initialize)
     Variable._initialize_with_initializer = (
         variables.wrap_initialize_with_initializer(
             Variable._initialize_with_initializer))
     Variable._direct_assign = variables.wrap_direct_assign(Variable._direct_assign)
     convert_to_numpy = placement.wrap_convert_to_numpy(
-        keras_torch_core.convert_to_numpy)
-    for module in (keras_backend, keras_torch, keras_torch_core):
+        keras_torch.convert_to_numpy)
+    for module in keras_torch.CONVERT_TO_NUMPY_MODULES:
         module.convert_to_numpy = convert_to_numpy
 
-    Trainer = keras_torch_trainer.TorchTrainer
+    Trainer = keras_torch.Trainer
     for name, attribute in (("make_train_function", "train_function"),
                             ("make_test_function", "test_function"),
                             ("make_predict_function", "predict_function")):
         setattr(Trainer, name, training.wrap_make_function(
             getattr(Trainer, name), attribute))
-    keras_model.Model.__call__ = training.wrap_model_call(keras_model.Model.__call__)
-    keras_torch_random.dropout = random_draws.wrap_dropout(keras_torch_random.dropout)
-    keras_distribution_lib.distribution_lib = keras_distribution
-    keras_torch_numpy.take = lookups.wrap_take(keras_torch_numpy.take)
-    keras_torch_nn.dot_product_attention = attention.wrap_dot_product_attention(
-        keras_torch_nn.dot_product_attention)
+    Model.__call__ = training.wrap_model_call(Model.__call__)
+    keras_torch.random.dropout = random_draws.wrap_dropout(
+        keras_torch.random.dropout)
+    distribution_module.distribution_lib = keras_distribution
+    keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)
+    keras_torch.nn.dot_product_attention = (
+        attention.wrap_dot_product_attention(
+            keras_torch.nn.dot_product_attention))
     # name: (kernel arguments, output channels may stay split, where
     # data_format stands after the kernels)
     for name, kernels, split, data_format in (
             ("conv", 1, True, 2), ("depthwise_conv", 1, False, 2),
             ("separable_conv", 2, False, 2), ("conv_transpose", 1, False, 3)):
-        setattr(keras_torch_nn, name, convolution.wrap_convolution(
-            getattr(keras_torch_nn, name), kernels, split, data_format))
-    Optimizer = torch_optimizer.TorchOptimizer
+        setattr(keras_torch.nn, name, convolution.wrap_convolution(
+            getattr(keras_torch.nn, name), kernels, split, data_format))
+    Optimizer = keras_torch.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)

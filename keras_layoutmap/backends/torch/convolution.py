@@ -22,20 +22,20 @@ gradients' placements given by hand:
 
 import functools
 
-from keras.src import backend
-from keras.src.backend.torch.core import convert_to_tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     as_dtensor,
     contiguous_stride,
     local_piece,
 )
+from keras_layoutmap.keras_internals import standardize_data_format
 
 
 def _channels_last(kwargs, args, position):
     fmt = kwargs.get("data_format", args[position] if len(args) > position else None)
-    return backend.standardize_data_format(fmt) == "channels_last"
+    return standardize_data_format(fmt) == "channels_last"
 
 
 def wrap_convolution(original, kernels=1, split_output_channels=False,

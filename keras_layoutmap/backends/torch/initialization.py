@@ -45,18 +45,17 @@ import warnings
 
 import numpy as np
 import torch
-from keras.src.backend import standardize_dtype
-from keras.src.backend.torch import core as keras_torch_core
-from keras.src.backend.torch import random as keras_torch_random
 from torch.distributed.tensor import DTensor, Shard
 
 from keras_layoutmap.backends import initializer_draws
+from keras_layoutmap.backends.torch import keras_internals as keras_torch
 from keras_layoutmap.backends.torch.placement import (
     contiguous_stride,
     local_slices,
     placements,
     to_device_mesh,
 )
+from keras_layoutmap.keras_internals import standardize_dtype
 
 # Elements drawn at once: the working memory beside the shard is a few
 # times this, in bytes.
@@ -71,9 +70,9 @@ def record_draw(initializer, shape, dtype):
     by calling it with Keras' torch draws returning an empty tensor on the
     meta device (no memory); None for anything else."""
     return initializer_draws.record_draw(
-        initializer, shape, dtype, keras_torch_random,
+        initializer, shape, dtype, keras_torch.random,
         lambda shape, dtype: torch.empty(
-            shape, dtype=keras_torch_core.to_torch_dtype(dtype),
+            shape, dtype=keras_torch.to_torch_dtype(dtype),
             device="meta"))
 
 
@@ -86,7 +85,7 @@ def _stream(draw, generator):
     writes Keras' values of those kept into the tensor `into`
     (`keras.src.backend.torch.random`'s arithmetic, element by element, so
     it may run on the kept ones only)."""
-    dtype = keras_torch_core.to_torch_dtype(draw.dtype)
+    dtype = keras_torch.to_torch_dtype(draw.dtype)
     a, b = draw.bounds()
     if draw.kind == "uniform":
         low, high = a, b
@@ -164,7 +163,7 @@ def draw_shard(draw, generator, shape, box, block_elements=None):
     (default `BLOCK_ELEMENTS`)."""
     starts, length = owned_runs(shape, box)
     local_shape = tuple(s.stop - s.start for s in box)
-    dtype = keras_torch_core.to_torch_dtype(draw.dtype)
+    dtype = keras_torch.to_torch_dtype(draw.dtype)
     out = torch.empty(math.prod(local_shape), dtype=dtype)
     if starts.size == 0:
         return out.reshape(local_shape)
@@ -192,7 +191,7 @@ def draw_shard(draw, generator, shape, box, block_elements=None):
 
 
 # Keras' own draws, kept at import: `stream_splits` compares against them.
-_KERAS_DRAWS = {kind: getattr(keras_torch_random, kind)
+_KERAS_DRAWS = {kind: getattr(keras_torch.random, kind)
                 for kind in initializer_draws.KINDS}
 
 
@@ -209,13 +208,13 @@ def stream_splits(kind, dtype):
               else {"mean": -0.5, "stddev": 1.5})
     # Keras' own draw, as made when nothing watches or replaces it (its
     # truncated normal calls the module's `normal`).
-    with initializer_draws.draws_replaced(keras_torch_random, _KERAS_DRAWS):
+    with initializer_draws.draws_replaced(keras_torch.random, _KERAS_DRAWS):
         whole = _KERAS_DRAWS[kind](shape, *params.values(), dtype=dtype,
                                    seed=seed)
     draw = initializer_draws.Draw(kind, shape, dtype, params, seed, None)
     for box in ((slice(0, 29), slice(0, 7)), (slice(10, 20), slice(0, 7)),
                 (slice(0, 29), slice(3, 5)), (slice(15, 29), slice(5, 7))):
-        generator = keras_torch_random.torch_seed_generator(seed)
+        generator = keras_torch.random.torch_seed_generator(seed)
         if not torch.equal(draw_shard(draw, generator, shape, box, 48),
                            whole[box]):
             warnings.warn(
@@ -236,11 +235,11 @@ def born_sharded(initializer, shape, dtype, layout):
     docstring) or the weight is not split: the caller then makes it whole."""
     shape = tuple(int(n) for n in shape)
     dtype = standardize_dtype(dtype)
-    torch_dtype = keras_torch_core.to_torch_dtype(dtype)
+    torch_dtype = keras_torch.to_torch_dtype(dtype)
     places = placements(layout)
     if (not shape or not torch_dtype.is_floating_point
             or not any(isinstance(p, Shard) for p in places)
-            or str(keras_torch_core.get_device()) != "cpu"):
+            or str(keras_torch.get_device()) != "cpu"):
         return None
     constant = initializer_draws.constant_of(initializer)
     draw = None
@@ -258,7 +257,7 @@ def born_sharded(initializer, shape, dtype, layout):
                            dtype=torch_dtype)
     else:
         # Keras' own seeding: a SeedGenerator advances here, once.
-        generator = keras_torch_random.torch_seed_generator(draw.seed)
+        generator = keras_torch.random.torch_seed_generator(draw.seed)
         local = draw_shard(draw, generator, shape, box)
     return DTensor.from_local(local, device_mesh, places, run_check=False,
                               shape=shape, stride=contiguous_stride(shape))

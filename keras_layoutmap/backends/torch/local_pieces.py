@@ -38,16 +38,17 @@ import os
 import weakref
 
 import torch
-from keras.src import tree
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.backend.common.stateless_scope import (
-    StatelessScope,
-    in_stateless_scope,
-)
+from keras import tree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_layoutmap.backends.torch.placement import contiguous_stride
+from keras_layoutmap.keras_internals import (
+    StatelessScope,
+    get_keras_mask,
+    in_stateless_scope,
+    set_keras_mask,
+)
 
 ENABLED = os.environ.get("KLM_TORCH_LOCAL_PIECES", "1") != "0"
 NOT_LOCAL = object()  # what a `run_*` returns when the call is not local

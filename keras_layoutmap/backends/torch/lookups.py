@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from keras_layoutmap.backends.torch.keras_internals import Variable, convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     as_dtensor,
     contiguous_stride,
@@ -76,8 +77,6 @@ def _row_sharded_lookup(table, ids):
 def wrap_take(original):
     @functools.wraps(original)
     def take(x, indices, axis=None):
-        from keras.src.backend.torch.core import Variable, convert_to_tensor
-
         if isinstance(x, Variable):
             x = x.value
         if isinstance(x, DTensor) and x.ndim == 2 and axis == 0:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from keras_layoutmap.backends.torch import processes
+from keras_layoutmap.backends.torch.keras_internals import Variable, convert_to_tensor
 from keras_layoutmap.mesh import Mesh
 
 _MESHES = {}
@@ -170,8 +171,6 @@ def to_host(value):
 
 
 def _torch_value(x):
-    from keras.src.backend.torch.core import Variable
-
     return x.value if isinstance(x, Variable) else x
 
 
@@ -190,8 +189,6 @@ def to_layout(value, layout):
             return value.redistribute(value.device_mesh, target)
         value = to_host(value)  # from another mesh: through the whole value
     if isinstance(value, np.ndarray) or not torch.is_tensor(value):
-        from keras.src.backend.torch.core import convert_to_tensor
-
         value = convert_to_tensor(value)
     return from_global(value.detach(), layout)
 
@@ -201,8 +198,6 @@ def to_layout(value, layout):
 
 def distribute(x, layout):
     if not _placed(layout):
-        from keras.src.backend.torch.core import convert_to_tensor
-
         return to_host(convert_to_tensor(_torch_value(x)))
     return to_layout(x, layout)
 

@@ -15,11 +15,12 @@ own slice and the slices are gathered into the global batch first.
 import functools
 
 from keras import distribution as keras_distribution
-from keras.src import tree
+from keras import tree
 from torch.distributed.tensor import DTensor, Partial
 
 from keras_layoutmap.backends.torch import local_pieces, processes
 from keras_layoutmap.backends.torch.gradients import summed
+from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     describe_mesh,
     to_device_mesh,
@@ -85,8 +86,6 @@ def _mesh_distribution():
 def distribute_batch(data, dist):
     """Every tensor of a batch as a DTensor with the distribution's data
     layout for its shape."""
-    from keras.src.backend.torch.core import convert_to_tensor
-
     gather = (processes.process_count() > 1
               and not getattr(dist, "auto_shard_dataset", True))
 

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_layoutmap.backends.torch import initialization
+from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     _placed,
     fetch_layout,
@@ -61,8 +62,6 @@ def wrap_initialize(original):
 
     def _initialize(self, value):
         from keras import distribution as keras_distribution
-        from keras.src.backend.torch.core import convert_to_tensor
-
         if isinstance(value, torch.nn.Parameter):
             return original(self, value)
         if (getattr(self, "_layout", None) is None
@@ -92,7 +91,6 @@ def wrap_direct_assign(original):
             if isinstance(value, DTensor):
                 value = to_host(value)
             return original(self, value)
-        from keras.src.backend.torch.core import convert_to_tensor
         if not isinstance(value, DTensor):
             value = convert_to_tensor(value)
         value = to_layout(value, as_layout(self._layout)
