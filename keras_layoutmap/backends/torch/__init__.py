@@ -33,8 +33,10 @@ from keras_layoutmap.backends.torch import (
     variables,
 )
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
+    device_bytes,
     distribute,
     fetch_layout,
+    is_on_mesh,
     pack,
     unpack,
 )
