@@ -60,6 +60,7 @@ __all__ = [
     "process_index",
     "set_distribution",
     "unpack",
+    "visualize",
 ]
 
 # `_COMPLETE` survives the reload that completes a light import.
@@ -102,6 +103,7 @@ if not _LIGHT:
         process_count,
         process_index,
     )
+    from keras_layoutmap.visualize import visualize
 
     _backends.get().install()  # first: the wrappers below call what it patched
     _layer_kwargs.install()

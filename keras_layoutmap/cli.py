@@ -2,6 +2,7 @@
 plan from the command line, without allocating the weights.
 
     klm explain MODEL --mesh batch=1,model=8 [--rules FILE] [--json] [--strict]
+                      [--show REGEX]
 
 MODEL is `module:function` (a function that returns a model, importable from
 the current folder or `PYTHONPATH`) or a `.keras` file. The model is built
@@ -113,6 +114,12 @@ def build_parser():
         "rule (default: the rules file's, else 1 MiB)",
     )
     explain.add_argument(
+        "--show", metavar="REGEX", default=None,
+        help="after the table, draw the blocks of each weight whose object "
+        "path or variable path the regex matches whole, and the devices "
+        "holding each (as klm.visualize does)",
+    )
+    explain.add_argument(
         "--width", type=int, default=None, metavar="COLUMNS",
         help="the table's width (default: the terminal's)",
     )
@@ -221,6 +228,9 @@ def _model_layout_map(model, mesh):
 
 
 def _explain(args):
+    if args.show is not None and args.json:
+        raise InputError("--show draws pictures, which --json does not carry; "
+                         "pass one of them")
     klm = _full_package()
     mesh = planning_mesh(args.mesh)
     if args.rules is not None and not os.path.exists(args.rules):
@@ -250,6 +260,11 @@ def _explain(args):
               f"weights, {params:,} parameters; mesh {mesh!r}; rules from "
               f"{source}")
         print(report.render(width=args.width), end="")
+        if args.show is not None:
+            try:
+                report.show(args.show, file=sys.stdout)
+            except ValueError as e:
+                raise InputError(f"--show: {e}") from None
     return 1 if args.strict and report.findings else 0
 
 

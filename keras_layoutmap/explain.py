@@ -174,6 +174,15 @@ class Report:
     def __str__(self):
         return self.render()
 
+    def show(self, pattern, *, file=None):
+        """Draw the weights whose object path or variable path
+        `re.fullmatch`es `pattern` as `klm.visualize` does, from their
+        shapes and layouts alone (process 0 prints). Returns the rows drawn;
+        a pattern that matches no weight is a `ValueError`."""
+        from keras_layoutmap.visualize import show_rows
+
+        return show_rows(self.rows, pattern, file=file)
+
 
 def _findings(rows, unused, layout_map):
     limit = layout_map.max_replicated_bytes

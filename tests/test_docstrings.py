@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
-           "metrics", "placement", "processes", "initializers", "strict"]
+           "metrics", "placement", "processes", "initializers", "strict", "visualize"]
 
 
 @pytest.mark.sharding
