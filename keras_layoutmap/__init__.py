@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "UNSHARDED",
     "DataParallel",
+    "DeviceMemory",
     "Finding",
     "Layout",
     "LayoutMap",
@@ -92,6 +93,7 @@ if not _LIGHT:
     from keras_layoutmap.fsdp import fsdp
     from keras_layoutmap.layout import UNSHARDED, Layout, NotALayoutError
     from keras_layoutmap.layout_map import LayoutMap, layout_map_scope
+    from keras_layoutmap.memory import DeviceMemory
     from keras_layoutmap.mesh import (
         Mesh,
         configure_virtual_devices,

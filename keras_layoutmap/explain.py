@@ -40,9 +40,10 @@ class WeightRow:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """A strict-mode finding: `kind` is `"unused_rule"` (a rule that matches
-    no weight) or `"replicated_weight"` (a weight above the map's
-    `max_replicated_bytes` that no rule chose); `subject` is the rule or the
-    weight's path."""
+    no weight), `"replicated_weight"` (a weight above the map's
+    `max_replicated_bytes` that no rule chose) or `"device_memory"` (the
+    plan needs more than the `device_memory` given to `explain`); `subject`
+    is the rule, the weight's path or `"per_device"`."""
 
     kind: str
     subject: str
@@ -67,6 +68,9 @@ class Report:
     earlier rule won; `findings` the strict-mode `Finding`s; `strict`
     whether the map was strict. `str(report)` (or `render()`) is the table,
     `to_dict()` the same as JSON-ready data, `bytes_per_device` the total.
+    `memory` (a `keras_layoutmap.memory.DeviceMemory`) is what each device
+    holds: weights, and with `explain(model, optimizer=...)` gradients and
+    optimizer state; `show(regex)` draws weights as `klm.visualize` does.
     """
 
     rows: list
@@ -75,6 +79,7 @@ class Report:
     findings: list = dataclasses.field(default_factory=list)  # strict mode
     strict: bool = False  # whether the map was strict
     mesh: object = None
+    memory: object = None  # a `klm.memory.DeviceMemory`: bytes per device
 
     @property
     def bytes_per_device(self):
@@ -122,6 +127,11 @@ class Report:
             "shadowed_rules": list(self.shadowed_rules),
             "strict": self.strict,
             "strict_findings": [dataclasses.asdict(f) for f in self.findings],
+            **({} if self.memory is None else {
+                "per_device": self.memory.to_dict(),
+                "optimizer": self.memory.optimizer_name,
+                "device_memory": self.memory.budget,
+                "over_budget": bool(self.memory.over_budget)}),
         }
 
     def render(self, width=None):
@@ -152,6 +162,8 @@ class Report:
         console.print(table)
         devices = "" if self.mesh is None else f" ({self.mesh.size} devices)"
         console.print(f"total bytes per device: {self.bytes_per_device:,}{devices}")
+        if self.memory is not None:
+            self.memory.render(console)
         if self.unused_rules:
             console.print(f"rules matching no weight: {self.unused_rules}")
         if self.shadowed_rules:
@@ -203,8 +215,9 @@ def _findings(rows, unused, layout_map):
     return found
 
 
-def explain(model, layout_map):
-    """Resolve every weight of `model` against `layout_map`."""
+def explain(model, layout_map, optimizer=None, device_memory=None):
+    """Resolve every weight of `model` against `layout_map`; with the
+    memory each device holds (see `keras_layoutmap.memory`)."""
     from keras_layoutmap.distributions import resolve_weight
 
     owners = paths.object_paths(model, with_owner=True)
@@ -240,8 +253,13 @@ def explain(model, layout_map):
     keys = list(layout_map)
     unused = [k for k in keys if k not in matched]
     shadowed = [k for k in keys if k in matched and k not in won]
+    from keras_layoutmap import memory
+
+    usage = memory.estimate(model, rows, layout_map, optimizer, device_memory)
+    over = memory.over_budget_finding(usage)
     return Report(
         rows=rows, unused_rules=unused, shadowed_rules=shadowed,
-        findings=_findings(rows, unused, layout_map),
-        strict=layout_map.strict, mesh=layout_map.device_mesh,
+        findings=_findings(rows, unused, layout_map) + (
+            [Finding("device_memory", "per_device", over)] if over else []),
+        strict=layout_map.strict, mesh=layout_map.device_mesh, memory=usage,
     )
