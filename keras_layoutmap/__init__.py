@@ -60,6 +60,7 @@ __all__ = [
     "process_count",
     "process_index",
     "set_distribution",
+    "shard_optimizer_states",
     "unpack",
     "visualize",
 ]
@@ -106,6 +107,7 @@ if not _LIGHT:
         process_index,
     )
     from keras_layoutmap.visualize import visualize
+    from keras_layoutmap.zero import shard_optimizer_states
 
     _backends.get().install()  # first: the wrappers below call what it patched
     _layer_kwargs.install()

@@ -43,6 +43,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from keras_layoutmap import backends, paths
 from keras_layoutmap.layout import as_layout
+from keras_layoutmap.zero import slot_layout_for
 
 
 def _several(mesh):
@@ -134,6 +135,8 @@ def plan(model, dist):
                       else resolve(reference))
         if tuple(slot.shape) != tuple(reference.shape):
             layout = resolve(slot)  # not a slot shaped like its weight
+        else:
+            layout = slot_layout_for(reference, layout)  # a ZeRO plan's split
         targets[id(slot)] = layout
     return [(v, targets[id(v)]) for v in moving]
 
@@ -170,7 +173,16 @@ def place_model(model, dist):
 
 def _wrap_add_variable_from_reference(original):
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        variable = original(self, reference_variable, *args, **kwargs)
+        # Keras gives a slot its weight's `_layout`; a ZeRO plan splits it.
+        layout = getattr(reference_variable, "_layout", None)
+        slot = slot_layout_for(reference_variable, layout)
+        if slot is not layout:
+            reference_variable._layout = slot
+        try:
+            variable = original(self, reference_variable, *args, **kwargs)
+        finally:
+            if slot is not layout:
+                reference_variable._layout = layout
         try:
             variable._klm_reference = weakref.ref(reference_variable)
         except TypeError:  # not weak-referenceable: no slot link

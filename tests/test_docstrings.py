@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
-           "metrics", "placement", "processes", "initializers", "strict", "visualize"]
+           "metrics", "placement", "processes", "initializers", "strict",
+           "visualize", "zero"]
 
 
 @pytest.mark.sharding
