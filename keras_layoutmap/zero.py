@@ -60,12 +60,6 @@ class ZeroSlots:
         axes[dim] = axis
         return Layout(axes, weight_layout.mesh), None
 
-    def get_config(self):
-        config = super().get_config()
-        config["shard_optimizer_states"] = {
-            "axis": self.zero_axis, "min_bytes": self.zero_min_bytes}
-        return config
-
     def __repr__(self):
         return (super().__repr__()[:-1] + f", shard_optimizer_states("
                 f"axis={self.zero_axis!r}, min_bytes={self.zero_min_bytes}))")
@@ -94,7 +88,9 @@ def shard_optimizer_states(layout_map, axis="batch",
     bytes (an int >= 0) is split over `axis` along its largest dimension
     the weight's layout leaves whole and the axis divides. Slots that
     cannot be split keep the weight's layout; `explain(model,
-    optimizer=...)` counts the state as placed and says why.
+    optimizer=...)` counts the state as placed and says why. The plan's
+    `to_json()` / `get_config()` hold its rules (and an FSDP policy), not
+    the split: apply `shard_optimizer_states` again to a loaded map.
 
     Example:
 
@@ -135,9 +131,7 @@ def shard_optimizer_states(layout_map, axis="batch",
         raise ValueError(
             "shard_optimizer_states: `min_bytes` must be an int >= 0 (a "
             f"number of bytes). Received: min_bytes={min_bytes!r}")
-    config = layout_map.get_config()
-    config.pop("shard_optimizer_states", None)
-    copy = type(layout_map).from_config(config, mesh=mesh)
+    copy = type(layout_map).from_config(layout_map.get_config(), mesh=mesh)
     plan = object.__new__(_zero_class(type(copy)))
     plan.__dict__.update(copy.__dict__)
     plan.zero_axis = axis

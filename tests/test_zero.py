@@ -128,6 +128,10 @@ def test_slots_that_cannot_be_split_keep_the_weights_layout():
     assert type(base) is klm.fsdp(mesh).__class__ and not hasattr(
         base, "slot_layout")
     assert list(plan) == list(base)
+    # Its config holds the rules (and FSDP's policy); the split is applied
+    # again to a loaded map.
+    again = klm.LayoutMap.from_json(plan.to_json())
+    assert list(again) == list(base) and not hasattr(again, "slot_layout")
 
 
 def test_indivisible_slot_is_said():
