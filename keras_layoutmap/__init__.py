@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "UNSHARDED",
     "DataParallel",
+    "DeviceMemory",
     "Finding",
     "Layout",
     "LayoutMap",
@@ -59,7 +60,9 @@ __all__ = [
     "process_count",
     "process_index",
     "set_distribution",
+    "shard_optimizer_states",
     "unpack",
+    "visualize",
 ]
 
 # `_COMPLETE` survives the reload that completes a light import.
@@ -94,6 +97,7 @@ if not _LIGHT:
     from keras_layoutmap.fsdp import fsdp
     from keras_layoutmap.layout import UNSHARDED, Layout, NotALayoutError
     from keras_layoutmap.layout_map import LayoutMap, layout_map_scope
+    from keras_layoutmap.memory import DeviceMemory
     from keras_layoutmap.mesh import (
         Mesh,
         configure_virtual_devices,
@@ -105,6 +109,8 @@ if not _LIGHT:
         process_count,
         process_index,
     )
+    from keras_layoutmap.visualize import visualize
+    from keras_layoutmap.zero import shard_optimizer_states
 
     _backends.get().install()  # first: the wrappers below call what it patched
     _layer_kwargs.install()

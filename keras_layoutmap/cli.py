@@ -2,6 +2,7 @@
 plan from the command line, without allocating the weights.
 
     klm explain MODEL --mesh batch=1,model=8 [--rules FILE] [--json] [--strict]
+                      [--optimizer adam] [--device-memory 16GiB] [--show REGEX]
 
 MODEL is `module:function` (a function that returns a model, importable from
 the current folder or `PYTHONPATH`) or a `.keras` file. The model is built
@@ -16,10 +17,14 @@ Rules come from `--rules` (a JSON, YAML or TOML rules file, see
 `get_layout_map(device_mesh)` (keras-hub backbones have one; a task model's
 `backbone` is asked too).
 
-Exit status: 0; 1 when `--strict` finds a rule that matches no weight or a
-large weight no rule places; 2 for bad input (a missing file, a mesh that
-cannot be parsed, a rules file of the wrong schema, a model that cannot be
-built).
+`--optimizer adam` adds gradients and the optimizer's state to the memory
+per device, `--device-memory 16GiB` marks a plan that needs more.
+
+Exit status: 0; 1 when `--strict` finds a rule that matches no weight, a
+large weight no rule places, or a plan over `--device-memory`; 2 for bad
+input (a missing file, a mesh or a device memory that cannot be parsed, a
+rules file of the wrong schema, a model that cannot be built, an unknown
+optimizer).
 
 This module imports nothing heavy until the arguments are parsed: `--help`
 needs no Keras and no backend.
@@ -67,6 +72,17 @@ def parse_mesh(text):
     return dims
 
 
+def parse_device_memory(text):
+    """`"16GiB"` -> bytes, for `--device-memory`."""
+    # lazily: `--help` imports no Keras
+    from keras_layoutmap.memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="klm",
@@ -104,13 +120,32 @@ def build_parser():
     )
     explain.add_argument(
         "--strict", action="store_true",
-        help="exit with status 1 when a rule matches no weight or a weight "
-        "larger than --max-replicated-bytes is replicated by no rule",
+        help="exit with status 1 when a rule matches no weight, a weight "
+        "larger than --max-replicated-bytes is replicated by no rule, or the "
+        "plan needs more than --device-memory",
     )
     explain.add_argument(
         "--max-replicated-bytes", type=int, default=None, metavar="N",
         help="the largest weight strict mode lets go replicated without a "
         "rule (default: the rules file's, else 1 MiB)",
+    )
+    explain.add_argument(
+        "--optimizer", metavar="NAME", default=None,
+        help="count gradients and this optimizer's state (a keras.optimizers "
+        "name: adam, adamw, sgd, ...) in the memory per device; without it "
+        "the memory is the weights' (inference)",
+    )
+    explain.add_argument(
+        "--device-memory", type=parse_device_memory, default=None,
+        metavar="BYTES",
+        help="each device's memory, e.g. 16GiB or 80GB: devices the plan "
+        "needs more than are marked, and --strict exits with status 1",
+    )
+    explain.add_argument(
+        "--show", metavar="REGEX", default=None,
+        help="after the table, draw the blocks of each weight whose object "
+        "path or variable path the regex matches whole, and the devices "
+        "holding each (as klm.visualize does)",
     )
     explain.add_argument(
         "--width", type=int, default=None, metavar="COLUMNS",
@@ -221,6 +256,9 @@ def _model_layout_map(model, mesh):
 
 
 def _explain(args):
+    if args.show is not None and args.json:
+        raise InputError("--show draws pictures, which --json does not carry; "
+                         "pass one of them")
     klm = _full_package()
     mesh = planning_mesh(args.mesh)
     if args.rules is not None and not os.path.exists(args.rules):
@@ -238,7 +276,13 @@ def _explain(args):
         layout_map.strict = True
     if args.max_replicated_bytes is not None:
         layout_map.max_replicated_bytes = args.max_replicated_bytes
-    report = layout_map.explain(model)
+    try:
+        report = layout_map.explain(model, optimizer=args.optimizer,
+                                    device_memory=args.device_memory)
+    except (ValueError, TypeError) as e:
+        if args.optimizer is None or "optimizer" not in str(e):
+            raise
+        raise InputError(f"--optimizer: {e}") from None
     params = sum(math.prod(r.shape) for r in report.rows)
     if args.json:
         document = {"model": args.model, "model_name": model.name,
@@ -250,6 +294,11 @@ def _explain(args):
               f"weights, {params:,} parameters; mesh {mesh!r}; rules from "
               f"{source}")
         print(report.render(width=args.width), end="")
+        if args.show is not None:
+            try:
+                report.show(args.show, file=sys.stdout)
+            except ValueError as e:
+                raise InputError(f"--show: {e}") from None
     return 1 if args.strict and report.findings else 0
 
 

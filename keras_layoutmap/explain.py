@@ -9,7 +9,7 @@ rule chose, replicated on every device.
 import dataclasses
 import io
 
-from keras_layoutmap import paths
+from keras_layoutmap import memory, paths
 from keras_layoutmap.findings import (  # noqa: F401 - public here too
     Finding,
     StrictModeError,
@@ -18,6 +18,7 @@ from keras_layoutmap.findings import (  # noqa: F401 - public here too
 )
 from keras_layoutmap.layout import layout_bytes_per_device
 from keras_layoutmap.rules.resolve import resolve_weight
+from keras_layoutmap.visualize import show_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Report:
     earlier rule won; `findings` the strict-mode `Finding`s; `strict`
     whether the map was strict. `str(report)` (or `render()`) is the table,
     `to_dict()` the same as JSON-ready data, `bytes_per_device` the total.
+    `memory` (a `keras_layoutmap.memory.DeviceMemory`) is what each device
+    holds: weights, and with `explain(model, optimizer=...)` gradients and
+    optimizer state; `show(regex)` draws weights as `klm.visualize` does.
     """
 
     rows: list
@@ -61,6 +65,7 @@ class Report:
     findings: list = dataclasses.field(default_factory=list)  # strict mode
     strict: bool = False  # whether the map was strict
     mesh: object = None
+    memory: object = None  # a `klm.memory.DeviceMemory`: bytes per device
 
     @property
     def bytes_per_device(self):
@@ -108,6 +113,11 @@ class Report:
             "shadowed_rules": list(self.shadowed_rules),
             "strict": self.strict,
             "strict_findings": [dataclasses.asdict(f) for f in self.findings],
+            **({} if self.memory is None else {
+                "per_device": self.memory.to_dict(),
+                "optimizer": self.memory.optimizer_name,
+                "device_memory": self.memory.budget,
+                "over_budget": bool(self.memory.over_budget)}),
         }
 
     def render(self, width=None):
@@ -138,6 +148,8 @@ class Report:
         console.print(table)
         devices = "" if self.mesh is None else f" ({self.mesh.size} devices)"
         console.print(f"total bytes per device: {self.bytes_per_device:,}{devices}")
+        if self.memory is not None:
+            self.memory.render(console)
         if self.unused_rules:
             console.print(f"rules matching no weight: {self.unused_rules}")
         if self.shadowed_rules:
@@ -160,6 +172,13 @@ class Report:
     def __str__(self):
         return self.render()
 
+    def show(self, pattern, *, file=None):
+        """Draw the weights whose object path or variable path
+        `re.fullmatch`es `pattern` as `klm.visualize` does, from their
+        shapes and layouts alone (process 0 prints). Returns the rows drawn;
+        a pattern that matches no weight is a `ValueError`."""
+        return show_rows(self.rows, pattern, file=file)
+
 
 def _findings(rows, unused, layout_map):
     """Strict mode's findings, worded as at a weight's creation."""
@@ -173,8 +192,9 @@ def _findings(rows, unused, layout_map):
     return found
 
 
-def explain(model, layout_map):
-    """Resolve every weight of `model` against `layout_map`."""
+def explain(model, layout_map, optimizer=None, device_memory=None):
+    """Resolve every weight of `model` against `layout_map`; with the
+    memory each device holds (see `keras_layoutmap.memory`)."""
     owners = paths.object_paths(model, with_owner=True)
     rows, won, matched = [], set(), set()
     for variable in model.weights:
@@ -208,8 +228,11 @@ def explain(model, layout_map):
     keys = list(layout_map)
     unused = [k for k in keys if k not in matched]
     shadowed = [k for k in keys if k in matched and k not in won]
+    usage = memory.estimate(model, rows, layout_map, optimizer, device_memory)
+    over = memory.over_budget_finding(usage)
     return Report(
         rows=rows, unused_rules=unused, shadowed_rules=shadowed,
-        findings=_findings(rows, unused, layout_map),
-        strict=layout_map.strict, mesh=layout_map.device_mesh,
+        findings=_findings(rows, unused, layout_map) + (
+            [Finding("device_memory", "per_device", over)] if over else []),
+        strict=layout_map.strict, mesh=layout_map.device_mesh, memory=usage,
     )

@@ -15,9 +15,10 @@ import re
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """A strict-mode finding: `kind` is `"unused_rule"` (a rule that matches
-    no weight) or `"replicated_weight"` (a weight above the map's
-    `max_replicated_bytes` that no rule chose); `subject` is the rule or the
-    weight's path."""
+    no weight), `"replicated_weight"` (a weight above the map's
+    `max_replicated_bytes` that no rule chose) or `"device_memory"` (the
+    plan needs more than the `device_memory` given to `explain`); `subject`
+    is the rule, the weight's path or `"per_device"`."""
 
     kind: str
     subject: str

@@ -99,9 +99,15 @@ class LayoutMap(RuleMap):
         with dist.scope():
             yield dist
 
-    def explain(self, model):
-        """A report of which rule gives each weight of `model` its layout."""
-        return explain(model, self)
+    def explain(self, model, optimizer=None, device_memory=None):
+        """A report of which rule gives each weight of `model` its layout,
+        and the memory each device holds (`report.memory`): weights, and
+        with `optimizer` (a `keras.optimizers.Optimizer` or its name, e.g.
+        `"adam"`) gradients and optimizer state too; `device_memory` (bytes,
+        or text such as `"16GiB"`) marks devices over budget, a strict-mode
+        finding."""
+        return explain(model, self, optimizer=optimizer,
+                       device_memory=device_memory)
 
     def check(self, model):
         """Check this map's plan for the built `model` as strict mode does

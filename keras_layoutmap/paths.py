@@ -188,3 +188,10 @@ def object_path(layer, weight_name):
     if not isinstance(node, keras_models.Model):
         keys.append(node.name)
     return ".".join([*reversed(keys), weight_name])
+
+
+def reference_of(variable):
+    """The model weight an optimizer slot was made for (None otherwise;
+    `placement` records it when the slot is made)."""
+    ref = getattr(variable, "_klm_reference", None)
+    return None if ref is None else ref()

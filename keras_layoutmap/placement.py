@@ -43,7 +43,9 @@ from keras_layoutmap import backends, paths
 from keras_layoutmap.distributions import _Resolving
 from keras_layoutmap.keras_internals import BaseOptimizer
 from keras_layoutmap.layout import as_layout
+from keras_layoutmap.paths import reference_of
 from keras_layoutmap.rules.resolve import resolve_weight
+from keras_layoutmap.zero import slot_layout_for
 
 
 def _several(mesh):
@@ -68,12 +70,6 @@ def model_state(model):
     if optimizer is not None:
         variables += list(optimizer.variables)
     return list({id(v): v for v in variables}.values())
-
-
-def reference_of(variable):
-    """The model weight an optimizer slot was made for (None otherwise)."""
-    ref = getattr(variable, "_klm_reference", None)
-    return None if ref is None else ref()
 
 
 def _resolver(model, dist):
@@ -133,6 +129,8 @@ def plan(model, dist):
                       else resolve(reference))
         if tuple(slot.shape) != tuple(reference.shape):
             layout = resolve(slot)  # not a slot shaped like its weight
+        else:
+            layout = slot_layout_for(reference, layout)  # a ZeRO plan's split
         targets[id(slot)] = layout
     return [(v, targets[id(v)]) for v in moving]
 
@@ -169,7 +167,16 @@ def place_model(model, dist):
 
 def _wrap_add_variable_from_reference(original):
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        variable = original(self, reference_variable, *args, **kwargs)
+        # Keras gives a slot its weight's `_layout`; a ZeRO plan splits it.
+        layout = getattr(reference_variable, "_layout", None)
+        slot = slot_layout_for(reference_variable, layout)
+        if slot is not layout:
+            reference_variable._layout = slot
+        try:
+            variable = original(self, reference_variable, *args, **kwargs)
+        finally:
+            if slot is not layout:
+                reference_variable._layout = layout
         try:
             variable._klm_reference = weakref.ref(reference_variable)
         except TypeError:  # not weak-referenceable: no slot link

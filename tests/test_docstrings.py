@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
            "metrics", "placement", "processes", "initializers", "strict",
-           "keras_classes", "fsdp"]
+           "keras_classes", "fsdp", "visualize", "zero"]
 
 
 @pytest.mark.sharding

@@ -7,6 +7,9 @@ a backend itself:
 - `configure_virtual_devices(n)`, `list_devices()`, `local_devices()`,
   `num_local_devices(mesh)`
 - `fetch_layout(x) -> (axes, mesh_or_None)`: the sharding a value really has
+- `is_on_mesh(x)`: whether a value is laid out on a mesh (not one device)
+- `device_bytes(x) -> {device: bytes}`: what this process's devices hold of
+  a value, read from the backend
 - `distribute(x, layout)`, `pack(components, layout)`, `unpack(x)`
 - `relayout_variable(variable, layout)`: move an existing variable onto a layout
 - `unplace_variable(variable)`: bring a variable on a mesh back to one device

@@ -11,8 +11,10 @@ from keras_layoutmap.backends.jax import initialization, placement, training
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.placement import (  # noqa: F401
     configure_virtual_devices,
+    device_bytes,
     distribute,
     fetch_layout,
+    is_on_mesh,
     list_devices,
     local_devices,
     num_local_devices,

@@ -76,6 +76,22 @@ def fetch_layout(x):
     )
 
 
+def is_on_mesh(x):
+    """Whether `x` (an array or a variable) is laid out on a mesh."""
+    value = getattr(x, "value", x)
+    return isinstance(value, jax.Array) and isinstance(
+        value.sharding, jax.sharding.NamedSharding)
+
+
+def device_bytes(x):
+    """`{device: bytes}` of the pieces of `x` this process's devices hold."""
+    held = {}
+    for shard in _array(x).addressable_shards:
+        name = _device_name(shard.device)
+        held[name] = held.get(name, 0) + shard.data.nbytes
+    return held
+
+
 def distribute(x, layout):
     x = getattr(x, "value", x)  # a keras.Variable: no np.asarray on it
     if isinstance(x, jax.Array):

@@ -31,8 +31,10 @@ from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow import variables as dvariables
 from keras_layoutmap.backends.tensorflow.placement import (  # noqa: F401
     configure_virtual_devices,
+    device_bytes,
     distribute,
     fetch_layout,
+    is_on_mesh,
     list_devices,
     local_devices,
     num_local_devices,

@@ -119,6 +119,27 @@ def fetch_layout(x):
     return axes, mesh
 
 
+def is_on_mesh(x):
+    """Whether `x` (a tensor or a variable) is a DTensor on a mesh."""
+    value = value_of(x)
+    return tf.is_tensor(value) and is_dtensor(value)
+
+
+def device_bytes(x):
+    """`{device: bytes}` of the pieces of `x` this process's devices hold
+    (a value on no mesh: its one device)."""
+    value = value_of(x)
+    if not is_dtensor(value):
+        axes, mesh = fetch_layout(value)
+        return {str(mesh.devices.ravel()[0]): int(
+            np.prod(value.shape)) * value.dtype.size}
+    _, mesh = fetch_layout(value)
+    devices = [str(d) for d in np.ravel(mesh.devices)]
+    mine = [devices[i] for i in _local_positions(mesh)]
+    return {d: int(np.prod(piece.shape)) * piece.dtype.size
+            for d, piece in zip(mine, dtensor.unpack(value))}
+
+
 def host_shards(array, layout):
     """The piece of host `array` each device of `layout.mesh` holds, in mesh
     device order (row-major over the mesh axes)."""

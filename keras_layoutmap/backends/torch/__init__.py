@@ -23,8 +23,10 @@ from keras_layoutmap.backends.torch import (
 )
 from keras_layoutmap.backends.torch import keras_internals as keras_torch
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
+    device_bytes,
     distribute,
     fetch_layout,
+    is_on_mesh,
     pack,
     unpack,
 )

@@ -284,6 +284,18 @@ def fetch_layout(x):
     return axes, mesh
 
 
+def is_on_mesh(x):
+    """Whether `x` (a tensor or a variable) is a DTensor on a mesh."""
+    return isinstance(_torch_value(x), DTensor)
+
+
+def device_bytes(x):
+    """`{device: bytes}` of the piece of `x` this process holds."""
+    value = _torch_value(x)
+    piece = value.to_local() if isinstance(value, DTensor) else value
+    return {processes.local_devices()[0]: piece.numel() * piece.element_size()}
+
+
 def wrap_convert_to_numpy(original):
     @functools.wraps(original)
     def convert_to_numpy(x):
