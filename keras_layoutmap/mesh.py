@@ -209,8 +209,10 @@ class Mesh(keras_distribution.DeviceMesh):
         return backends.get().num_local_devices(self)
 
     def device_type(self):
-        """`"CPU"`, `"GPU"` or `"TPU"`: the kind of the mesh's devices."""
-        kinds = {str(d).split(":")[0].upper() for d in np.ravel(self.devices)}
+        """`"CPU"`, `"GPU"` or `"TPU"`: the kind of the mesh's devices
+        (torch's `"cuda:<rank>"` devices are GPUs)."""
+        kinds = {str(d).split(":")[0].upper().replace("CUDA", "GPU")
+                 for d in np.ravel(self.devices)}
         if len(kinds) != 1:
             raise ValueError(f"{self!r} mixes device kinds {sorted(kinds)}.")
         return kinds.pop()

@@ -6,6 +6,7 @@ import functools
 import jax
 import numpy as np
 
+from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
     set_cpu_devices,
@@ -20,11 +21,11 @@ def configure_virtual_devices(n):
 
 
 def list_devices():
-    return [f"{d.platform}:{d.id}" for d in jax.devices()]
+    return [f"{d.platform}:{d.id}" for d in devices.global_devices()]
 
 
 def num_local_devices(mesh):
-    local = {f"{d.platform}:{d.id}" for d in jax.local_devices()}
+    local = {f"{d.platform}:{d.id}" for d in devices.local_devices()}
     return sum(str(d) in local for d in np.ravel(mesh.devices))
 
 
@@ -101,15 +102,15 @@ def distribute(x, layout):
 
 def pack(components, layout):
     sharding = _sharding(layout)
-    local = set(jax.local_devices())
-    devices = [d for d in np.ravel(sharding.mesh.devices) if d in local]
+    local = set(devices.local_devices())
+    mine = [d for d in np.ravel(sharding.mesh.devices) if d in local]
     shape = list(np.shape(components[0]))
     for dim, axis in enumerate(layout.axes):
         if axis is not None:
             shape[dim] *= layout.mesh.dim_size(axis)
     arrays = [
         jax.device_put(np.asarray(c) if not isinstance(c, jax.Array) else c, d)
-        for c, d in zip(components, devices)
+        for c, d in zip(components, mine)
     ]
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
@@ -156,7 +157,7 @@ def variable_array(self, dtype=None, copy=None):
 
 def local_devices():
     """This process's devices (`"cpu:3"`), for `Mesh.local_devices()`."""
-    return [_device_name(d) for d in jax.local_devices()]
+    return [_device_name(d) for d in devices.local_devices()]
 
 
 def wrap_initialize_keeps_value_layout(original):

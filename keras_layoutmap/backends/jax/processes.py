@@ -14,13 +14,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.processes import devices_per_process
 
 MULTI_PROCESS = True
 
 
 def set_cpu_devices(n):
-    """Make `n` CPU devices in this process (before JAX starts)."""
+    """Make `n` CPU devices in this process (before JAX starts); meshes
+    then use them, even where JAX sees GPUs."""
+    devices.VIRTUAL_CPUS[0] = True
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:

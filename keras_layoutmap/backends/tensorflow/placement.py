@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow import devices
 from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow.processes import (
     device_spec,
@@ -24,7 +25,8 @@ def configure_virtual_devices(n):
 
 
 def list_devices():
-    return [f"cpu:{i}" for i in range(global_device_count())]
+    kind = devices.kind().lower()
+    return [f"{kind}:{i}" for i in range(global_device_count())]
 
 
 def device_id(name):

@@ -1,7 +1,8 @@
 """TensorFlow across processes: DTensor multi-client.
 
-Each process (a DTensor *client*) holds `n / P` logical CPUs; a mesh names
-global device ids, client `c` owning ids `c * L ... (c + 1) * L - 1`.
+Each process (a DTensor *client*) holds `n / P` logical CPUs (or its GPUs,
+where TensorFlow sees GPUs and no virtual CPUs were asked for: `devices`);
+a mesh names global device ids, client `c` owning ids `c * L ... (c + 1) * L - 1`.
 `dtensor.pack` takes this client's components only, and a value read on the
 host is relayouted to replicated (a collective every client joins) and read
 from a local copy. The data contract is JAX's (see `processes`).
@@ -13,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow import devices
 from keras_layoutmap.processes import devices_per_process
 
 MULTI_PROCESS = True
@@ -21,7 +23,9 @@ _STATE = {"clients": 1, "client": 0, "local": None}
 
 
 def set_cpu_devices(n):
-    """Make `n` logical CPU devices in this process (before TF starts)."""
+    """Make `n` logical CPU devices in this process (before TF starts);
+    meshes then use them, even where TensorFlow sees GPUs."""
+    devices.VIRTUAL_CPUS[0] = True
     cpus = tf.config.list_physical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
@@ -59,9 +63,10 @@ def join(cluster, total_devices=None):
     os.environ["DTENSOR_NUM_CLIENTS"] = str(cluster.num_processes)
     os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
     os.environ["DTENSOR_JOBS"] = _job_addresses(cluster)
-    dtensor.initialize_accelerator_system("CPU")
+    kind = devices.kind()
+    dtensor.initialize_accelerator_system(kind)
     _STATE.update(clients=cluster.num_processes, client=cluster.process_id,
-                  local=dtensor.num_local_devices("CPU"))
+                  local=dtensor.num_local_devices(kind))
 
 
 def process_count():
@@ -73,10 +78,10 @@ def process_index():
 
 
 def local_device_count():
-    """Logical CPUs in this process."""
+    """Devices (logical CPUs, or GPUs) in this process."""
     if _STATE["local"] is not None:
         return _STATE["local"]
-    return len(tf.config.list_logical_devices("CPU"))
+    return len(tf.config.list_logical_devices(devices.kind()))
 
 
 def local_ids():
@@ -93,7 +98,7 @@ def global_device_count():
 def device_spec(index):
     """The TF device of local device `index` in a multi-client run."""
     return (f"/job:{os.environ.get('DTENSOR_JOB_NAME', 'worker')}/replica:0/"
-            f"task:{_STATE['client']}/device:CPU:{index}")
+            f"task:{_STATE['client']}/device:{devices.kind()}:{index}")
 
 
 def process_mesh():

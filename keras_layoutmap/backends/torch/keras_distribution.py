@@ -3,13 +3,13 @@ none: `keras.distribution.list_devices()`, `DeviceMesh`, `TensorLayout`,
 `distribute_tensor` and the layout rules for a layer's output fail on
 torch). Installed as Keras' `distribution_lib` for the torch backend."""
 
-from keras_layoutmap.backends.torch import placement, processes
+from keras_layoutmap.backends.torch import devices, placement, processes
 from keras_layoutmap.layout import as_layout
 from keras_layoutmap.processes import initialize as klm_initialize
 
 
 def list_devices(device_type=None):
-    if device_type not in (None, "cpu", "CPU"):
+    if device_type is not None and device_type.lower() != devices.kind():
         return []
     return processes.list_devices()
 

@@ -27,9 +27,10 @@ _MESHES = {}
 def _rank_of(device):
     name = str(device)
     kind, _, index = name.rpartition(":")
-    if kind != "cpu" or not index.isdigit():
+    if kind not in ("cpu", "cuda") or not index.isdigit():
         raise ValueError(
-            f"A torch mesh is made of devices 'cpu:<rank>', one per process. "
+            f"A torch mesh is made of devices 'cpu:<rank>' (or 'cuda:<rank>' "
+            f"where torch sees GPUs), one per process. "
             f"Received: {name!r}"
         )
     return int(index)
@@ -55,7 +56,8 @@ def to_device_mesh(mesh):
             )
         ranks = torch.tensor([_rank_of(d) for d in devices]).reshape(
             tuple(mesh.shape))
-        found = DeviceMesh("cpu", ranks, mesh_dim_names=tuple(mesh.axis_names))
+        kind = str(devices[0]).rpartition(":")[0]
+        found = DeviceMesh(kind, ranks, mesh_dim_names=tuple(mesh.axis_names))
         _MESHES[key] = found
         _allow_plain_tensors()
     try:
@@ -264,7 +266,8 @@ def fetch_layout(x):
     names = list(device_mesh.mesh_dim_names or
                  [f"axis{i}" for i in range(device_mesh.ndim)])
     mesh = Mesh(tuple(device_mesh.mesh.shape), names,
-                [f"cpu:{r}" for r in device_mesh.mesh.flatten().tolist()])
+                [f"{device_mesh.device_type}:{r}"
+                 for r in device_mesh.mesh.flatten().tolist()])
     axes = [None] * value.ndim
     for mesh_dim, place in enumerate(value.placements):
         if isinstance(place, Partial):

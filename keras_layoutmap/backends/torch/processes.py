@@ -1,6 +1,8 @@
-"""torch across processes: a gloo process group, one device per process.
+"""torch across processes: a process group, one device per process.
 
-A torch mesh spans processes, one CPU device each (`"cpu:<rank>"`):
+A torch mesh spans processes, one device each: `"cuda:<rank>"` over NCCL
+where torch sees GPUs (each process takes `cuda:LOCAL_RANK`), else
+`"cpu:<rank>"` over gloo (`devices.choose`):
 `python -m keras_layoutmap.launch -n 4 script.py` (or `torchrun
 --nproc-per-node 4 script.py`) starts them, and `klm.configure_virtual_devices(4)`
 (or `klm.initialize()`) joins them into the default process group. Outside a
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_layoutmap.backends.torch import devices
 from keras_layoutmap.processes import cluster_from_environment
 
 MULTI_PROCESS = True
@@ -60,7 +63,8 @@ def _how_to_launch(n):
 
 
 def join(cluster, total_devices=None):
-    """Join `cluster`'s gloo process group (once). On torch every process
+    """Join `cluster`'s process group (once): NCCL with this process on
+    `cuda:LOCAL_RANK` where torch sees GPUs, else gloo. On torch every process
     holds one device, so `total_devices` must equal the number of
     processes."""
     if total_devices is not None and total_devices != cluster.num_processes:
@@ -78,8 +82,11 @@ def join(cluster, total_devices=None):
             )
         return
     host, _, port = cluster.coordinator_address.rpartition(":")
+    kind, backend, device = devices.current()
+    if kind == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://{host or '127.0.0.1'}:{port}",
         world_size=cluster.num_processes,
         rank=cluster.process_id,
@@ -92,9 +99,9 @@ def join(cluster, total_devices=None):
     # Every process takes process 0's torch generator, as the generic join
     # does for Python's and NumPy's (keras_layoutmap.processes): unseeded
     # dropout draws its whole mask from it on every process.
-    generator = torch.random.get_rng_state()
+    generator = torch.random.get_rng_state().to(device)
     dist.broadcast(generator, src=0)
-    torch.random.set_rng_state(generator)
+    torch.random.set_rng_state(generator.cpu())
 
 
 def configure_virtual_devices(n):
@@ -128,13 +135,13 @@ def barrier(name):
 
 
 def list_devices():
-    return [f"cpu:{i}" for i in range(world_size())]
+    return [f"{devices.kind()}:{i}" for i in range(world_size())]
 
 
 def local_devices():
     """This process's device: one per process in a launched world."""
     if world_size() > 1:
-        return [f"cpu:{rank()}"]
+        return [f"{devices.kind()}:{rank()}"]
     return list_devices()
 
 

@@ -1,0 +1,51 @@
+"""Which device a torch process takes: its own GPU (`cuda:LOCAL_RANK`,
+collectives over NCCL) where torch sees GPUs, else the CPU (gloo).
+
+`choose` is the whole decision, pure, given what the device query
+returns; `current` asks torch.
+"""
+
+import os
+
+import torch
+
+
+def choose(cuda_count, local_rank=0):
+    """(device kind, process-group backend, this process's device) for a
+    process with local rank `local_rank` on a host where torch sees
+    `cuda_count` GPUs.
+
+    >>> choose(0, 3)
+    ('cpu', 'gloo', 'cpu')
+    >>> choose(8, 3)
+    ('cuda', 'nccl', 'cuda:3')
+    """
+    if cuda_count <= 0:
+        return "cpu", "gloo", "cpu"
+    if not 0 <= local_rank < cuda_count:
+        raise RuntimeError(
+            f"This process has local rank {local_rank}, but torch sees "
+            f"{cuda_count} GPU(s) on this host: start at most one process "
+            f"per GPU (e.g. `torchrun --nproc-per-node {cuda_count}`), or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPUs.")
+    return "cuda", "nccl", f"cuda:{local_rank}"
+
+
+def cuda_count():
+    """The GPUs torch sees on this host (0 for a CPU build)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_rank():
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def current():
+    """`choose` for this process."""
+    return choose(cuda_count(), local_rank())
+
+
+def kind():
+    """`"cuda"` or `"cpu"`: the kind of device every process of a mesh
+    takes (the processes of one run see alike hosts)."""
+    return choose(cuda_count(), 0)[0]
