@@ -476,8 +476,17 @@ def main():
         console.print(f"cProfile of process 0, {args.profile} klm steps, "
                       f"{args.profile_clock} time:")
         print(r["profile"])
+    # The same ratio on process 0's CPU time, which other load on the
+    # machine disturbs less than wall time (a step's wall time there is
+    # mostly waiting for the peer's CPU at each collective).
+    cpu_ms = r["cpu_ms"]
+    klm_cpu = cpu_ms["klm"] - cpu_ms["keras_alone"]
+    ddp_cpu = cpu_ms["ddp"] - cpu_ms["torch_alone"]
+    print(f"on process 0's CPU time: klm adds {klm_cpu:.2f} ms over Keras "
+          f"alone, DDP {ddp_cpu:.2f} ms over torch alone: ratio "
+          f"{klm_cpu / ddp_cpu:.2f}")
     # Last, alone on its line: what klm adds over Keras' own step against
-    # what DDP adds over plain torch's.
+    # what DDP adds over plain torch's (median wall time).
     added_ddp = median["ddp"] - median["torch_alone"]
     overhead = (median["klm"] - median["keras_alone"]) / added_ddp
     print(f"distribution overhead ratio: {overhead:.2f}")
