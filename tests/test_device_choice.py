@@ -121,3 +121,12 @@ def test_tensorflow_meshes_are_gpu_meshes_unless_virtual_cpus(monkeypatch):
     assert [str(d) for d in mesh.devices.ravel()] == ["gpu:0", "gpu:1"]
     assert mesh.device_type() == "GPU"
     assert processes.device_spec(1).endswith("/device:GPU:1")
+
+
+def test_the_choice_examples_run():
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"keras_layoutmap.backends.{BACKEND}.devices")
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0
