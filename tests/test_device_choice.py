@@ -29,6 +29,10 @@ def test_torch_list_devices_and_meshes_take_gpus_when_seen(monkeypatch):
     assert klm.list_devices() == ["cpu:0"]  # this machine: no GPU
     monkeypatch.setattr(devices, "cuda_count", lambda: 2)
     assert klm.list_devices() == ["cuda:0"]
+    from keras_layoutmap.backends.torch import keras_distribution
+
+    assert keras_distribution.list_devices("gpu") == ["cuda:0"]
+    assert keras_distribution.list_devices("cpu") == []
     mesh = klm.create_mesh([("batch", 1)])
     assert [str(d) for d in mesh.devices.ravel()] == ["cuda:0"]
     assert mesh.device_type() == "GPU"

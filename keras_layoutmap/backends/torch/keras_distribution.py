@@ -9,7 +9,8 @@ from keras_layoutmap.processes import initialize as klm_initialize
 
 
 def list_devices(device_type=None):
-    if device_type is not None and device_type.lower() != devices.kind():
+    kind = {"gpu": "cuda"}.get(str(device_type).lower(), str(device_type).lower())
+    if device_type is not None and kind != devices.kind():
         return []
     return processes.list_devices()
 
