@@ -190,7 +190,7 @@ def _trial(model, original, args, kwargs, places, rows):
 
 def _on_every_process(ok, device_mesh):
     """True where `ok` holds on every process of the mesh."""
-    flag = torch.tensor([1 if ok else 0])
+    flag = torch.tensor([1 if ok else 0], device=device_mesh.device_type)
     for dim in range(device_mesh.ndim):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
                                      group=device_mesh.get_group(dim))

@@ -162,7 +162,11 @@ def all_gather_rows(local):
     local = torch.as_tensor(local)
     if not is_joined() or dist.get_world_size() == 1:
         return local
-    count = torch.tensor([local.shape[0]], dtype=torch.int64)
+    # NCCL takes only GPU tensors: the collectives run on this process's
+    # device (`devices.current`), the result comes back where `local` was.
+    home, local = local.device, local.to(devices.current()[2])
+    count = torch.tensor([local.shape[0]], dtype=torch.int64,
+                         device=local.device)
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, count)
     counts = [int(c) for c in counts]
@@ -171,4 +175,4 @@ def all_gather_rows(local):
     padded[: local.shape[0]] = local
     pieces = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(pieces, padded.contiguous())
-    return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0)
+    return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0).to(home)
