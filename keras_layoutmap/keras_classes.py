@@ -152,8 +152,13 @@ def fit_output_layout(shape, layout, path, rule, batch_axis):
             "for a dimension not split), or make its regex miss this path."
         )
     changed = False
+    unknown = []  # batch dimensions of unknown size (a traced step)
     for i, (size, axis) in enumerate(zip(shape, layout.axes)):
-        if axis is None or size is None:
+        if axis is None:
+            continue
+        if size is None:
+            if axis == batch_axis:
+                unknown.append(i)
             continue
         parts = layout.mesh.dim_size(axis)
         if int(size) % parts == 0:
@@ -166,7 +171,14 @@ def fit_output_layout(shape, layout, path, rule, batch_axis):
             )
         specs[i] = None  # exact, as a short batch of data is
         changed = True
-    return Layout(specs, layout.mesh) if changed else layout
+    if not (changed or unknown):
+        return layout
+    fitted = Layout(specs, layout.mesh)
+    # A step traced once for every batch size (TensorFlow's) cannot know
+    # whether this batch is split: these dimensions keep the split the
+    # computation gives them (the data's: split, or whole when short).
+    fitted._klm_match_dims = tuple(unknown)
+    return fitted
 
 
 def _distribute_output(original, tensor, layout):
