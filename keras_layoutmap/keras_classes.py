@@ -89,9 +89,9 @@ def _checked(value):
 def install():
     """Make `keras.distribution.set_distribution` (and so every
     `Distribution.scope()`, which calls it) go through `as_klm`; so does
-    the global state it writes to, for a `set_distribution` a script took
-    before `import keras_layoutmap` (`from keras.distribution import
-    set_distribution`), and a distribution already set then."""
+    the global state it writes to and reads from, for a `set_distribution`
+    a script took before `import keras_layoutmap` (`from keras.distribution
+    import set_distribution`), and a distribution already set then."""
     name = getattr(distribution_lib, "GLOBAL_ATTRIBUTE_NAME", "distribution")
     store = global_state.__dict__.get("_klm_original_set_global_attribute")
     if store is None:
@@ -103,9 +103,25 @@ def install():
         store(key, _checked(value) if key == name else value)
 
     global_state.set_global_attribute = set_global_attribute
-    current = global_state.get_global_attribute(name)
-    if current is not None:  # set before the import, in this thread
-        set_global_attribute(name, current)
+    # One set before the import is converted where Keras (and klm) read it,
+    # once the devices exist (`klm.configure_virtual_devices` comes after).
+    read = global_state.__dict__.get("_klm_original_get_global_attribute")
+    if read is None:
+        read = global_state.get_global_attribute
+        global_state._klm_original_get_global_attribute = read
+    keras_classes = (keras_distribution.DataParallel,
+                     keras_distribution.ModelParallel)
+
+    def get_global_attribute(key, default=None, set_to_default=False):
+        """Keras' global attribute `key` (a distribution runs as klm's)."""
+        value = read(key, default, set_to_default)
+        if key == name and isinstance(value, keras_classes) and not isinstance(
+                value, _Resolving):
+            value = _checked(value)
+            store(key, value)
+        return value
+
+    global_state.get_global_attribute = get_global_attribute
     original = distribution_lib.__dict__.get("_klm_original_set_distribution")
     if original is None:
         original = distribution_lib.set_distribution
