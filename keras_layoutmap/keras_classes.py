@@ -27,11 +27,11 @@ from keras_layoutmap.distributions import DataParallel, ModelParallel, _Resolvin
 from keras_layoutmap.keras_internals import (
     distribution_module as distribution_lib,
 )
-from keras_layoutmap.layout import Layout
 from keras_layoutmap.keras_internals import (
     distribution_package as keras_distribution_package,
 )
 from keras_layoutmap.keras_internals import global_state
+from keras_layoutmap.layout import Layout
 from keras_layoutmap.rules.rule_map import RuleMap
 
 
