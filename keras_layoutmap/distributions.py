@@ -4,12 +4,13 @@ a final short batch."""
 
 import contextlib
 
+import numpy as np
 from keras import distribution as keras_distribution
 
 from keras_layoutmap import backends, strict
 from keras_layoutmap.keras_internals import KerasDistribution as _KerasDistribution
 from keras_layoutmap.layout import Layout
-from keras_layoutmap.mesh import as_mesh
+from keras_layoutmap.mesh import as_mesh, list_devices
 from keras_layoutmap.rules.resolve import creating_layer, resolve_weight, weight_keys
 from keras_layoutmap.rules.rule_map import RuleMap
 
@@ -41,6 +42,29 @@ class _Resolving:
             raise NotImplementedError(backend.NOT_BUILT)
         # A strict map checks the models made inside as the scope exits.
         return strict.checked_scope(self.layout_map, super().scope())
+
+    def check_mesh(self):
+        """Refuse, on every process alike (so none waits for another), a
+        mesh that leaves out devices when the run spans processes: each
+        process feeds its own devices' rows of every batch and takes part
+        in every step, so the mesh must hold every device of every process.
+        In one process a mesh over some devices, in any order, is fine."""
+        backend = backends.get()
+        if not backend.SHARDING or backend.process_count() < 2:
+            return
+        everywhere = list_devices()
+        used = {str(d) for d in np.ravel(self.device_mesh.devices)}
+        missing = [d for d in everywhere if d not in used]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} on a mesh of {self.device_mesh.size} "
+                f"devices, but this run spans {backend.process_count()} "
+                f"processes with {len(everywhere)} devices: across processes "
+                "a distribution's mesh must use every device of every process"
+                f" (it leaves out {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+                "). Build the mesh over all of `klm.list_devices()` (the "
+                "default of `klm.create_mesh`)."
+            )
 
     # Keras' own multi-process data handling (tf.data only, sharded per
     # process by Keras) is replaced by the backend's: with
@@ -184,7 +208,22 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
         self.layout_map = layout_map
 
     def get_tensor_layout(self, path):
-        return self.layout_map.match(path)[1]
+        """The layout of the tensor Keras names `path`: a layer's output,
+        `"<layer path>/output"` (e.g. `seq/d1/output`; a Functional model's
+        layers have no model prefix: `d1/output`). A rule matches the path,
+        or the path under the outermost model (`d1/output`, as weights are
+        matched by their object path). The layout carries the path and the
+        rule, for `keras_classes` to fit it to the output's shape."""
+        keys = [path]
+        parts = path.split("/")
+        if len(parts) >= 3:
+            keys.append("/".join(parts[1:]))
+        rule, layout = self.layout_map.match(*keys)
+        if layout is None:
+            return None
+        layout = Layout(layout.sharding_specs, layout.mesh)
+        layout._klm_output = (path, rule, self.batch_dim_name)
+        return layout
 
 
 def replicated_on(mesh):

@@ -30,6 +30,8 @@ from keras_layoutmap.keras_internals import (
 from keras_layoutmap.keras_internals import (
     distribution_package as keras_distribution_package,
 )
+from keras_layoutmap.keras_internals import global_state
+from keras_layoutmap.layout import Layout
 from keras_layoutmap.rules.rule_map import RuleMap
 
 
@@ -77,9 +79,49 @@ def as_klm(value):
     return converted
 
 
+def _checked(value):
+    value = as_klm(value)
+    if isinstance(value, _Resolving):
+        value.check_mesh()
+    return value
+
+
 def install():
     """Make `keras.distribution.set_distribution` (and so every
-    `Distribution.scope()`, which calls it) go through `as_klm`."""
+    `Distribution.scope()`, which calls it) go through `as_klm`; so does
+    the global state it writes to and reads from, for a `set_distribution`
+    a script took before `import keras_layoutmap` (`from keras.distribution
+    import set_distribution`), and a distribution already set then."""
+    name = getattr(distribution_lib, "GLOBAL_ATTRIBUTE_NAME", "distribution")
+    store = global_state.__dict__.get("_klm_original_set_global_attribute")
+    if store is None:
+        store = global_state.set_global_attribute
+        global_state._klm_original_set_global_attribute = store
+
+    def set_global_attribute(key, value):
+        """Keras' global attribute `key` (a distribution runs as klm's)."""
+        store(key, _checked(value) if key == name else value)
+
+    global_state.set_global_attribute = set_global_attribute
+    # One set before the import is converted where Keras (and klm) read it,
+    # once the devices exist (`klm.configure_virtual_devices` comes after).
+    read = global_state.__dict__.get("_klm_original_get_global_attribute")
+    if read is None:
+        read = global_state.get_global_attribute
+        global_state._klm_original_get_global_attribute = read
+    keras_classes = (keras_distribution.DataParallel,
+                     keras_distribution.ModelParallel)
+
+    def get_global_attribute(key, default=None, set_to_default=False):
+        """Keras' global attribute `key` (a distribution runs as klm's)."""
+        value = read(key, default, set_to_default)
+        if key == name and isinstance(value, keras_classes) and not isinstance(
+                value, _Resolving):
+            value = _checked(value)
+            store(key, value)
+        return value
+
+    global_state.get_global_attribute = get_global_attribute
     original = distribution_lib.__dict__.get("_klm_original_set_distribution")
     if original is None:
         original = distribution_lib.set_distribution
@@ -87,8 +129,83 @@ def install():
 
     def set_distribution(value):
         """Set the global distribution (a Keras class runs as klm's)."""
-        original(as_klm(value))
+        original(_checked(value))
 
     for module in (distribution_lib, keras_distribution,
                    keras_distribution_package, keras.distribution):
         module.set_distribution = set_distribution
+
+    # `Layer.__call__` lays a layer's output out by the layout the
+    # distribution gives `"<layer path>/output"`; klm's carry the path and
+    # rule, fitted here to the output's shape on every backend.
+    distribute = distribution_lib.__dict__.get("_klm_original_distribute_tensor")
+    if distribute is None:
+        distribute = distribution_lib.distribute_tensor
+        distribution_lib._klm_original_distribute_tensor = distribute
+
+    def distribute_tensor(tensor, layout):
+        """`tensor` laid out as `layout` (Keras' `distribute_tensor`)."""
+        if getattr(layout, "_klm_output", None) is not None:
+            return _distribute_output(distribute, tensor, layout)
+        return distribute(tensor, layout)
+
+    distribution_lib.distribute_tensor = distribute_tensor
+
+
+def fit_output_layout(shape, layout, path, rule, batch_axis):
+    """`layout` (given by `rule` to the output `path`) for an output of
+    `shape`: a batch the batch axis does not divide (a short last batch, a
+    `predict` of 3 rows on 8 devices) is replicated, as the data is; a rank
+    that differs, or another axis that does not divide its dimension, is a
+    `ValueError` naming the layer path, the rule and the sizes."""
+    specs = list(layout.sharding_specs)
+    where = (f"Layer output {path!r} has shape {tuple(shape)}, but rule "
+             f"{rule!r} lays it out as {specs}")
+    if len(shape) != len(specs):
+        raise ValueError(
+            f"{where}: the rule has rank {len(specs)}, the output rank "
+            f"{len(shape)}. Give the rule {len(shape)} axis names (None "
+            "for a dimension not split), or make its regex miss this path."
+        )
+    changed = False
+    unknown = []  # batch dimensions of unknown size (a traced step)
+    for i, (size, axis) in enumerate(zip(shape, layout.axes)):
+        if axis is None:
+            continue
+        if size is None:
+            if axis == batch_axis:
+                unknown.append(i)
+            continue
+        parts = layout.mesh.dim_size(axis)
+        if int(size) % parts == 0:
+            continue
+        if axis != batch_axis:
+            raise ValueError(
+                f"{where}: mesh axis {axis!r} ({parts} devices) does not "
+                f"divide dimension {i} (size {int(size)}). Use a size it "
+                "divides, or leave that dimension unsplit (None)."
+            )
+        specs[i] = None  # exact, as a short batch of data is
+        changed = True
+    if not (changed or unknown):
+        return layout
+    fitted = Layout(specs, layout.mesh)
+    # A step traced once for every batch size (TensorFlow's) cannot know
+    # whether this batch is split: these dimensions keep the split the
+    # computation gives them (the data's: split, or whole when short).
+    fitted._klm_match_dims = tuple(unknown)
+    return fitted
+
+
+def _distribute_output(original, tensor, layout):
+    path, rule, batch_axis = layout._klm_output
+
+    def one(x):
+        if x is None or isinstance(x, keras.KerasTensor) or not hasattr(
+                x, "shape"):
+            return x  # symbolic (a Functional model being built): as Keras
+        shape = tuple(None if d is None else int(d) for d in x.shape)
+        return original(x, fit_output_layout(shape, layout, path, rule,
+                                             batch_axis))
+
+    return keras.tree.map_structure(one, tensor)

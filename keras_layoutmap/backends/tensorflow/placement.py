@@ -209,8 +209,19 @@ def local_devices():
 
 
 def distribute_tensor_hook(tensor, layout):
-    """Keras' hook to relayout a layer output (`<layer>/output` rules)."""
-    return distribute(tensor, as_layout(layout))
+    """Keras' hook to relayout a layer output (`<layer>/output` rules).
+    Inside a step traced for every batch size, a batch dimension of unknown
+    size (`_klm_match_dims`, see `keras_classes.fit_output_layout`) keeps
+    the split it has (`dtensor.MATCH`): split for a full batch, whole for a
+    short one, as the data is."""
+    match = getattr(layout, "_klm_match_dims", ())
+    layout = as_layout(layout)
+    if match and tf.is_tensor(tensor) and not tf.executing_eagerly():
+        dlayout = to_dlayout(layout)
+        specs = [dtensor.MATCH if i in match else spec
+                 for i, spec in enumerate(dlayout.sharding_specs)]
+        return dtensor.relayout(tensor, dtensor.Layout(specs, dlayout.mesh))
+    return distribute(tensor, layout)
 
 
 def mesh_distribution():
