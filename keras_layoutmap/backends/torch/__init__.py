@@ -35,6 +35,7 @@ from keras_layoutmap.backends.torch.processes import (  # noqa: F401
     MULTI_PROCESS,
     barrier,
     configure_virtual_devices,
+    enter_together,
     gather_process_batches,
     join,
     list_devices,
