@@ -68,3 +68,28 @@ def test_gemma_generate_model_parallel_equals_one_device(sampler):
     assert not klm.fetch_layout(embeddings).is_fully_replicated()
     np.testing.assert_array_equal(got[:, :PROMPT], prompts()["token_ids"][:, :PROMPT])
     np.testing.assert_array_equal(got, expected)
+
+
+TINY_LLAMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                  num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+
+
+def test_llama_greedy_generate_model_parallel_equals_one_device():
+    import keras_hub
+
+    def build_llama():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.LlamaBackbone(**TINY_LLAMA)
+        lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        lm.compile(sampler="greedy")
+        return lm
+
+    expected = generate(build_llama())
+    layout_map = klm.LayoutMap.from_keras(
+        keras_hub.models.LlamaBackbone.get_layout_map(mp_mesh()))
+    with klm.ModelParallel(layout_map=layout_map).scope():
+        lm = build_llama()
+        got = generate(lm)
+    embeddings = lm.backbone.token_embedding.embeddings
+    assert not klm.fetch_layout(embeddings).is_fully_replicated()
+    np.testing.assert_array_equal(got, expected)
