@@ -249,17 +249,59 @@ def process_index():
     return backends.get().process_index()
 
 
+def _whole_here(model):
+    """Whether this process holds every value of `model` whole (nothing
+    sharded over processes): then it can save alone."""
+    backend = backends.get()
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "variables"):
+        variables += list(optimizer.variables)
+    for v in variables:
+        try:
+            axes, _ = backend.fetch_layout(v)
+        except (TypeError, ValueError):  # partial sums: not whole
+            return False
+        if any(a is not None for a in axes):
+            return False
+    return True
+
+
+def _call_on_every_process(save, filepath):
+    return RuntimeError(
+        f"`{save.__name__}({str(filepath)!r})` was called on this process "
+        f"(process {process_index()}) but not on all {process_count()} "
+        "processes of the run. The model holds variables sharded over "
+        "processes, so saving gathers them from every process: call it on "
+        "every process (`model.save_weights(path)`, not `if rank == 0: "
+        "model.save_weights(path)`); process 0 alone writes the file. A model "
+        "every process holds whole (replicated) may be saved on one process."
+    )
+
+
 def _one_writer(save):
     """`model.save_weights` / `model.save` called on every process write one
     file: process 0 writes it, the others (which must still take part in
     gathering the sharded values) write to a scratch file that is deleted;
-    every process returns once the file is complete."""
+    every process returns once the file is complete.
+
+    Called on some processes only (`if rank == 0: model.save_weights(path)`),
+    where the backend can tell (torch: `enter_together`, a handshake outside
+    any collective): a model this process holds whole is saved by it alone,
+    with no collective; a sharded one raises at once, and the processes
+    that did not call it started nothing."""
 
     @functools.wraps(save)
     def method(self, filepath, *args, **kwargs):
         backend = backends.get()
         if backend.process_count() == 1:
             return save(self, filepath, *args, **kwargs)
+        enter = getattr(backend, "enter_together", None)
+        if enter is not None and not enter(
+                f"{save.__name__}:{os.path.abspath(str(filepath))}"):
+            if _whole_here(self):
+                return save(self, filepath, *args, **kwargs)
+            raise _call_on_every_process(save, filepath)
         if backend.process_index() == 0:
             result = save(self, filepath, *args, **kwargs)
         else:

@@ -12,6 +12,7 @@ import logging
 
 from keras_layoutmap.backends.torch import (
     attention,
+    cache_updates,
     convolution,
     gradients,
     keras_distribution,
@@ -34,6 +35,7 @@ from keras_layoutmap.backends.torch.processes import (  # noqa: F401
     MULTI_PROCESS,
     barrier,
     configure_virtual_devices,
+    enter_together,
     gather_process_batches,
     join,
     list_devices,
@@ -84,7 +86,11 @@ def install():
     Model.__call__ = training.wrap_model_call(Model.__call__)
     keras_torch.random.dropout = random_draws.wrap_dropout(
         keras_torch.random.dropout)
+    keras_torch.random.categorical = random_draws.wrap_categorical(
+        keras_torch.random.categorical)
     distribution_module.distribution_lib = keras_distribution
+    keras_torch.core.slice_update = cache_updates.wrap_slice_update(
+        keras_torch.core.slice_update)
     keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)
     keras_torch.nn.dot_product_attention = (
         attention.wrap_dot_product_attention(

@@ -17,6 +17,7 @@ Variable = core.Variable
 convert_to_numpy = core.convert_to_numpy
 convert_to_tensor = core.convert_to_tensor
 get_device = core.get_device
+private(f"{core.__name__}:slice_update")
 to_torch_dtype = core.to_torch_dtype
 CONVERT_TO_NUMPY_MODULES = modules_holding(
     "convert_to_numpy",
@@ -39,6 +40,7 @@ private(f"{numpy.__name__}:take")
 random = private("keras.src.backend.torch.random")
 torch_seed_generator = private("keras.src.backend.torch.random:torch_seed_generator")
 private("keras.src.backend.torch.random:dropout")
+private("keras.src.backend.torch.random:categorical")
 
 trainer = private("keras.src.backend.torch.trainer")
 Trainer = private("keras.src.backend.torch.trainer:Trainer",

@@ -16,6 +16,7 @@ the others as soon as one fails, so a timeout is the last resort.
 import atexit
 import datetime
 import os
+import time
 
 import numpy as np
 import torch
@@ -176,3 +177,45 @@ def all_gather_rows(local):
     pieces = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(pieces, padded.contiguous())
     return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0).to(home)
+
+
+# -- saves called on some processes only ----------------------------------
+
+DEFAULT_SAVE_HANDSHAKE_SECONDS = 5
+_ENTERED = {}  # name -> how often this process entered it together
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _handshake_seconds():
+    return float(os.environ.get("KLM_SAVE_HANDSHAKE_TIMEOUT",
+                                DEFAULT_SAVE_HANDSHAKE_SECONDS))
+
+
+def enter_together(name):
+    """Whether every process enters `name` (a save) with this one, within
+    `KLM_SAVE_HANDSHAKE_TIMEOUT` seconds (default 5). Counted in the
+    rendezvous store, outside any collective: a process that gives up
+    takes its arrival back (atomically: if the last one came in the
+    meantime, all went in after all), so the others never start a collective
+    without it, and a later save on every process pairs up again."""
+    if not is_joined() or dist.get_world_size() == 1:
+        return True
+    store, world = _store(), dist.get_world_size()
+    n = _ENTERED.get(name, 0) + 1
+    key = f"klm_enter/{name}"
+    count = store.add(key, 1)
+    deadline = time.monotonic() + _handshake_seconds()
+    while count < n * world:
+        if time.monotonic() > deadline:
+            now = store.compare_set(key, str(count), str(count - 1))
+            if int(now) == count - 1:
+                return False
+            count = int(now)  # someone came in meanwhile: look again
+            continue
+        time.sleep(0.005)
+        count = store.add(key, 0)
+    _ENTERED[name] = n
+    return True

@@ -6,12 +6,18 @@ process's piece from its own generator: a mask that differs from one
 device's. Every process draws the whole mask from the global generator
 instead (each draws the same numbers: same seed, same sequence), exactly as
 one device's `dropout` does, and keeps its own part.
+
+`random.categorical` (keras-hub's seeded samplers) calls `torch.multinomial`
+with a generator seeded from the Keras seed; on DTensor logits DTensor's own
+random op ignores that generator's stream for one device's. Every process
+draws from the whole logits with the same generator instead, and keeps its
+rows: one device's samples.
 """
 
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def wrap_dropout(original):
@@ -28,3 +34,20 @@ def wrap_dropout(original):
         return inputs * noise
 
     return dropout
+
+
+def wrap_categorical(original):
+    @functools.wraps(original)
+    def categorical(logits, num_samples, dtype="int32", seed=None):
+        if not isinstance(logits, DTensor):
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        mesh = logits.device_mesh
+        whole = original(logits.full_tensor(), num_samples, dtype=dtype,
+                         seed=seed)
+        rows = [Shard(0) if isinstance(p, Shard) and p.dim == 0
+                else Replicate() for p in logits.placements]
+        out = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim,
+                                 run_check=False)
+        return out.redistribute(mesh, rows)  # a local slice: no communication
+
+    return categorical
