@@ -203,3 +203,19 @@ def test_preset_round_trip_lands_sharded(arch, tmp_path, no_distribution):
     assert sorted(actual) == sorted(expected)
     for path, value in expected.items():
         np.testing.assert_array_equal(actual[path], value, err_msg=path)
+
+
+def test_docs_recipe_runs(no_distribution):
+    """docs/keras-distribution.md's keras-hub recipe, as it stands."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).parent.parent / "docs" / "keras-distribution.md"
+    (code,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    scope = {}
+    exec(compile(code, str(page), "exec"), scope)
+    backbone = scope["gemma_lm"].backbone
+    query = backbone.get_layer("decoder_block_0").attention.query_dense.kernel
+    assert tuple(klm.fetch_layout(query).axes) == ("model", "batch", None)
+    ids = np.asarray(scope["output"]["token_ids"])
+    assert ids.shape == (8, 8) and (ids[:, :3] == [5, 9, 2]).all()
