@@ -31,6 +31,35 @@ ARCHS = {
         vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
         num_key_value_heads=4, hidden_dim=16, intermediate_dim=32)),
 }
+# Known failures, strict: each flips to a failure when fixed.
+TF_CONTRACTING = (
+    "TensorFlow DTensor: the recipe's rules shard the contracting dimension of "
+    "a matmul on 'batch' in one operand and 'model' in the other (Llama's and "
+    "Qwen's attention/MLP path), which DTensor's SPMD expansion refuses: "
+    "klm's clear ValueError from the train step")
+TORCH_GENERATE = (
+    "torch DTensor: generate() fails with an AssertionError from "
+    "torch.distributed.tensor._dispatch inside the cached attention's call "
+    "(CachedGemmaAttention / the KV cache update); fit passes")
+KNOWN = {
+    ("tensorflow", "fit", "llama"): TF_CONTRACTING,
+    ("tensorflow", "fit", "qwen"): TF_CONTRACTING,
+    ("tensorflow", "lora", "llama"): TF_CONTRACTING,
+    ("tensorflow", "lora", "qwen"): TF_CONTRACTING,
+    ("torch", "fit", "gemma"): TORCH_GENERATE,
+    ("torch", "fit", "llama"): TORCH_GENERATE,
+    ("torch", "fit", "qwen"): TORCH_GENERATE,
+}
+
+
+def archs(test):
+    """The architectures, a known failure on this backend marked xfail."""
+    return [pytest.param(arch, marks=pytest.mark.xfail(
+                strict=True, reason=KNOWN[BACKEND, test, arch]))
+            if (BACKEND, test, arch) in KNOWN else arch
+            for arch in sorted(ARCHS)]
+
+
 BATCH = 8  # prompts and training rows: the batch axis divides it
 LENGTH = 8
 PROMPT = 3
@@ -136,7 +165,7 @@ def one_device(arch):
     return lm, history, greedy, top_k
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", archs("fit"))
 def test_fit_and_generate_equal_one_device(arch, no_distribution):
     """`fit`, then `generate()` greedy (ids identical) and with a seeded
     top-k sampler (ids identical; on TensorFlow a clear error: DTensor has
@@ -163,7 +192,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
     assert (greedy[:, PROMPT:] != 0).any()  # it generated
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", archs("lora"))
 def test_lora_fit_equal_one_device(arch, no_distribution):
     """`backbone.enable_lora(rank)` then `fit`: the frozen weights are
     bit-identical to before, the LoRA weights equal one device's."""
@@ -205,6 +234,7 @@ def test_preset_round_trip_lands_sharded(arch, tmp_path, no_distribution):
         np.testing.assert_array_equal(actual[path], value, err_msg=path)
 
 
+@pytest.mark.xfail(BACKEND == "torch", strict=True, reason=TORCH_GENERATE)
 def test_docs_recipe_runs(no_distribution):
     """docs/keras-distribution.md's keras-hub recipe, as it stands."""
     import pathlib
