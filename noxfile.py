@@ -179,10 +179,10 @@ def bench(session):
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",
-                   "processes.py", "fsdp.py", "zero.py"):
+                   "processes.py", "fsdp.py", "zero.py", "generate.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
     for script in ("memory.py", "tf_data_parallel.py", "processes.py", "fsdp.py",
-                   "zero.py"):
+                   "zero.py", "generate.py"):
         session.run("python", f"benchmarks/{script}",
                     env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
     session.run("python", "benchmarks/backends.py")

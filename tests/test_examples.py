@@ -22,6 +22,8 @@ SCRIPTS = [
     ("custom_training_loop.py", [], "final test accuracy"),
     ("dtensor_keras_tutorial.py", [],
      "OK: the sharded run equals the one-device run"),
+    ("gemma_model_parallel.py", [],
+     "OK: fit, LoRA and greedy generate equal the one-device run"),
 ]
 
 

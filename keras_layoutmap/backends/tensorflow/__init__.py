@@ -24,6 +24,7 @@ from keras_layoutmap.backends.tensorflow import (
     gather,
     placement,
     random_draws,
+    slice_updates,
     sparse_updates,
     training,
 )
@@ -92,6 +93,8 @@ def install():
         setattr(keras_tf.random, name,
                 random_draws.wrap_random(getattr(keras_tf.random, name)))
     keras_tf.random.dropout = random_draws.wrap_dropout(keras_tf.random.dropout)
+    keras_tf.random.categorical = random_draws.wrap_categorical(
+        keras_tf.random.categorical)
     Optimizer = keras_tf.TFOptimizer
     for name in ("assign_add", "assign_sub"):  # an embedding's sparse update
         setattr(Optimizer, name, sparse_updates.wrap_sparse_update(
@@ -99,6 +102,9 @@ def install():
 
     # Models: inputs checked when called eagerly, exported without DTensor.
     Model.export = export.wrap_export(Model.export)
+    # keras-hub's generate(): the KV cache and token updates on a mesh.
+    keras_tf.core.slice_update = slice_updates.wrap_slice_update(
+        keras_tf.core.slice_update)
     Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.

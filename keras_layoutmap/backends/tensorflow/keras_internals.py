@@ -31,7 +31,8 @@ draw_seed = private("keras.src.backend.tensorflow.random:draw_seed")
 cast_seed = private("keras.src.backend.tensorflow.random:_cast_seed")
 get_concrete_noise_shape = private(
     "keras.src.backend.tensorflow.random:_get_concrete_noise_shape")
-RANDOM_DRAWS = ("normal", "uniform", "truncated_normal", "randint", "dropout")
+RANDOM_DRAWS = ("normal", "uniform", "truncated_normal", "randint", "dropout",
+                "categorical")
 for _name in RANDOM_DRAWS:
     private(f"keras.src.backend.tensorflow.random:{_name}")
 

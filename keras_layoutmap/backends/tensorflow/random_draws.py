@@ -72,3 +72,24 @@ def wrap_dropout(original):
         return tf.where(noise >= rate, scaled, tf.constant(0, dtype=inputs.dtype))
 
     return dropout
+
+
+def wrap_categorical(original):
+    """`keras.random.categorical` is `tf.random.stateless_categorical`, whose
+    op DTensor has no layout rule for, replicated or not: inside a function
+    on a mesh it would fail at run time with DTensor's message naming
+    neither the Keras call nor a way around. Say both, at trace time."""
+
+    @functools.wraps(original)
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        if tf.executing_eagerly() or mesh_distribution() is None:
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        raise ValueError(
+            "keras.random.categorical cannot run on a TensorFlow DTensor mesh: "
+            "DTensor has no layout rule for its op 'tf.StatelessMultinomial'. "
+            "keras-hub's TopKSampler, TopPSampler and RandomSampler draw with "
+            "it; on TensorFlow generate() under a distribution with the "
+            "'greedy', 'beam' or 'contrastive' sampler, or sample on JAX or "
+            "torch, where seeded samplers run on the mesh.")
+
+    return categorical

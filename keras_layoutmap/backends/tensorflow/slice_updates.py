@@ -1,0 +1,69 @@
+"""`ops.slice_update` on DTensors.
+
+Keras' TensorFlow `slice_update` is XLA's dynamic-update-slice, an op
+DTensor has no layout rule for ("'tf.XlaDynamicUpdateSlice' op does not
+implement layout propagation"): keras-hub's `CausalLM.generate()` writes
+each new key/value into its cache and each new token into the prompt with
+it, so generation failed on any mesh. On a mesh the update is computed from
+ops DTensor lays out: along each dimension, the positions the update covers
+(`start <= i < start + size`) select `updates` gathered to the input's
+shape, and `tf.where` keeps the input elsewhere. The result is exactly the
+dynamic-update-slice's (indices clipped as XLA clips them), with the
+input's layout. Inside a `tf.function` a symbolic tensor does not say
+whether it is a DTensor: there every call under a mesh distribution takes
+this path (the same numbers on any tensor).
+"""
+
+import functools
+
+import tensorflow as tf
+
+from keras_layoutmap.backends.tensorflow.placement import (
+    is_dtensor,
+    mesh_distribution,
+)
+
+
+def _on_mesh(*values):
+    """A DTensor among `values`; inside a `tf.function` (where a symbolic
+    tensor does not say its layout) any call under a mesh distribution."""
+    if not tf.executing_eagerly():
+        return mesh_distribution() is not None
+    return any(tf.is_tensor(v) and is_dtensor(v) for v in values)
+
+
+def _by_mask(inputs, start_indices, updates):
+    updates = tf.cast(updates, inputs.dtype)
+    shape = tf.shape(inputs)
+    size = tf.shape(updates)
+    mask = None
+    for axis in range(inputs.shape.rank):
+        # XLA clips the start so that the update fits inside the input.
+        start = tf.clip_by_value(tf.cast(start_indices[axis], tf.int32), 0,
+                                 shape[axis] - size[axis])
+        positions = tf.range(shape[axis]) - start
+        inside = (positions >= 0) & (positions < size[axis])
+        updates = tf.gather(updates, tf.clip_by_value(positions, 0, size[axis] - 1),
+                            axis=axis)
+        view = [1] * inputs.shape.rank
+        view[axis] = -1
+        inside = tf.reshape(inside, view)
+        mask = inside if mask is None else mask & inside
+    return tf.where(mask, updates, inputs)
+
+
+def wrap_slice_update(original):
+    """Keras' `slice_update`, by mask and gather where a tensor is a DTensor."""
+
+    @functools.wraps(original)
+    def slice_update(inputs, start_indices, updates):
+        if not _on_mesh(inputs, updates):
+            return original(inputs, start_indices, updates)
+        inputs = tf.convert_to_tensor(inputs)
+        if isinstance(start_indices, (list, tuple)):
+            start_indices = [tf.convert_to_tensor(s) for s in start_indices]
+        else:
+            start_indices = tf.unstack(tf.convert_to_tensor(start_indices))
+        return _by_mask(inputs, start_indices, tf.convert_to_tensor(updates))
+
+    return slice_update
