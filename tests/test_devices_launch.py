@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SPANS_PROCESSES
+from helpers import SPANS_PROCESSES
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import mp_mesh
+from helpers import mp_mesh
 
 import keras_layoutmap as klm
 
