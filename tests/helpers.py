@@ -1,6 +1,6 @@
 """What the test files share: the run's devices and its meshes, the digits
-data, the small models the tests train and the rules that split them, and
-the checks that training on a mesh equals one device.
+data, the small models the tests train and the rules that split them, the
+keras-hub config, and the checks that training on a mesh equals one device.
 
 A plain module, not a fixture file (those are in conftest.py): a test file
 imports it as `from helpers import ...` (pytest puts tests/, which is no
@@ -162,6 +162,40 @@ def net_layout_map(mesh, bias=True):
         layout_map[r"d1\.bias"] = ("model",)
     layout_map[r"d2\.kernel"] = ("model", None)
     return layout_map
+
+
+# -- keras-hub ----------------------------------------------------------------
+
+TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                  num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                  head_dim=8)
+
+
+def gemma_lm():
+    """A causal LM head on a TINY_GEMMA backbone, as a plain Functional
+    model (the keras-hub task class would need a data loader for its
+    preprocessing)."""
+    import keras_hub  # the `nlp` extra; tests-jax installs it
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    inputs = {
+        "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+        "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
+    }
+    hidden = backbone(inputs)
+    logits = backbone.token_embedding(hidden, reverse=True)
+    model = keras.Model(inputs, logits, name="gemma_lm")
+    model.backbone = backbone
+    return compile_classifier(model, keras.optimizers.Adam(1e-2))
+
+
+def gemma_data():
+    """36 sequences of 8 tokens for gemma_lm, each next token the label."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(36, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((36, 8), "int32")}
+    return x, tokens[:, 1:]
 
 
 # -- one device and a mesh give the same numbers --------------------------------

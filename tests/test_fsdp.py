@@ -9,6 +9,8 @@ from helpers import (
     assert_same_weights,
     compile_classifier,
     fake_mesh,
+    gemma_data,
+    gemma_lm,
     mp_mesh,
     sequential_mlp,
 )
@@ -204,19 +206,11 @@ def test_mlp_parity(combined):
                                reference.evaluate(x, y, verbose=0), rtol=1e-4)
 
 
-def gemma_lm():
-    from test_keras_hub import build_lm
-
-    return build_lm()
-
-
 @pytest.mark.sharding
 @pytest.mark.training
 @pytest.mark.parametrize("combined", [False, True], ids=["fsdp", "fsdp+tp"])
 def test_gemma_parity(combined):
-    from test_keras_hub import data
-
-    x, y = data()
+    x, y = gemma_data()
     reference = gemma_lm()
     ref_history = fit(reference, x, y)  # 36 rows: a short batch
     mesh = mp_mesh()
