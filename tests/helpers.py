@@ -1,6 +1,7 @@
 """What the test files share: the run's devices and its meshes, the digits
 data, the small models the tests train and the rules that split them, the
-keras-hub config, and the checks that training on a mesh equals one device.
+keras-hub config, the checks that training on a mesh equals one device, and
+starting Python in fresh processes.
 
 A plain module, not a fixture file (those are in conftest.py): a test file
 imports it as `from helpers import ...` (pytest puts tests/, which is no
@@ -11,6 +12,8 @@ device: conftest.py, or the script, configures the devices first.
 """
 
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -215,3 +218,23 @@ def assert_same_weights(weights, reference, rtol=1e-5, atol=2e-6):
     """Two lists of weights (`model.get_weights()`) pairwise equal."""
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# -- fresh processes ----------------------------------------------------------
+
+
+def launch(n, *args, timeout=300, **kwargs):
+    """`python -m keras_layoutmap.launch -n n ARGS...`, its output captured
+    as text; `kwargs` go to `subprocess.run`."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n),
+         *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def configure_script(path, devices=8):
+    """Write a script to `path` that only configures `devices` devices, as
+    the first call of a user's script (the launcher's checks need no more)."""
+    path.write_text("import keras_layoutmap as klm\n"
+                    f"klm.configure_virtual_devices({devices})\n")
+    return path
