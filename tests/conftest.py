@@ -4,81 +4,20 @@ import pathlib
 import re
 import tempfile
 
-import numpy as np
 import pytest
+from helpers import BACKEND, DEVICES, SHARDING, SPANS_PROCESSES, TRAINING, fake_mesh
 
 import keras_layoutmap as klm
-from keras_layoutmap import backends
 
-# The first call after import, as a user script does. `sharding` tests need a
-# backend that places tensors on a mesh; `training` tests need `model.fit` on
-# a mesh. On JAX and TensorFlow the run makes 8 devices in this process. On
-# torch a mesh spans processes, one device each: the run has as many devices
-# as the launcher started processes (`python -m keras_layoutmap.launch -n 4
-# -m pytest`, as `nox -s tests-torch` does), every rank running the same
-# session and each test collectively.
-BACKEND = backends.name()
-SHARDING = backends.get().SHARDING
-TRAINING = backends.get().TRAINING
+# The first call after import, as a user script does (the run's device
+# count, and why: helpers.py).
 if BACKEND == "torch":
-    DEVICES = int(os.environ.get("WORLD_SIZE", "1"))
     if DEVICES > 1:
         klm.configure_virtual_devices(DEVICES)
-else:
-    # KLM_TEST_DEVICES (default 8) checks the suite at another count, e.g.
-    # 4 as a torch run has.
-    DEVICES = int(os.environ.get("KLM_TEST_DEVICES", "8"))
-    if SHARDING:
-        klm.configure_virtual_devices(DEVICES)
-
-# True where each process holds one device of a mesh spanning several.
-SPANS_PROCESSES = BACKEND == "torch" and DEVICES > 1
+elif SHARDING:
+    klm.configure_virtual_devices(DEVICES)
 
 import keras  # noqa: E402
-
-
-def device_names(n):
-    """The names of the run's first `n` devices (`"cpu:0"`, ...)."""
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def dp_mesh():
-    """A data-parallel mesh over every device of the run."""
-    return klm.create_mesh([("batch", DEVICES)])
-
-
-def mp_mesh(axis="model"):
-    """A (batch, `axis`) mesh over every device of the run, `axis` 2 wide:
-    (4, 2) on 8 devices, (2, 2) on 4."""
-    return klm.create_mesh([("batch", DEVICES // 2), (axis, 2)])
-
-
-def local_shards(value, layout):
-    """What `klm.unpack` of `value` laid out as `layout` gives in this
-    process: the piece each of its devices holds, in mesh order, cut here
-    from the whole numpy `value`."""
-    mesh = layout.mesh
-    names = list(mesh.axis_names)
-    pieces = []
-    for device in mesh.local_device_ids():
-        position = np.unravel_index(device, tuple(mesh.shape))
-        index = []
-        for size, axis in zip(value.shape, layout.axes):
-            if axis is None:
-                index.append(slice(None))
-                continue
-            parts = mesh.dim_size(axis)
-            step = size // parts
-            start = step * int(position[names.index(axis)])
-            index.append(slice(start, start + step))
-        pieces.append(value[tuple(index)])
-    return pieces
-
-
-def fake_mesh(dims):
-    """A mesh over named (not real) devices: enough for rules, layouts and
-    explain, which never place a tensor."""
-    return klm.Mesh.for_planning(dims)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ the layout, the range and the constant initializers are compared there."""
 import keras
 import numpy as np
 import pytest
-from conftest import mp_mesh
+from helpers import mp_mesh
 
 import keras_layoutmap as klm
 

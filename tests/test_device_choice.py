@@ -2,7 +2,7 @@
 the device query replaced (these tests need no GPU, and run on CPU)."""
 
 import pytest
-from conftest import BACKEND, SPANS_PROCESSES
+from helpers import BACKEND, SPANS_PROCESSES
 
 import keras_layoutmap as klm
 

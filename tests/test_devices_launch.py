@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SPANS_PROCESSES
+from helpers import SPANS_PROCESSES, configure_script, launch
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -93,13 +93,8 @@ def test_launch_help_describes_its_arguments():
 @pytest.mark.skipif(backends.name() == "torch",
                     reason="torch has one device per process")
 def test_devices_per_process_must_add_up(tmp_path):
-    script = tmp_path / "devices.py"
-    script.write_text("import keras_layoutmap as klm\n"
-                      "klm.configure_virtual_devices(8)\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "2",
-         "--devices-per-process", "3", str(script)],
-        capture_output=True, text=True, timeout=120)
+    script = configure_script(tmp_path / "devices.py")
+    result = launch(2, "--devices-per-process", 3, script, timeout=120)
     assert result.returncode != 0
     assert "--devices-per-process 3 for 2 processes, 6 devices" in result.stderr
 

@@ -6,7 +6,7 @@ on every backend."""
 import keras
 import numpy as np
 import pytest
-from conftest import dp_mesh
+from helpers import dp_mesh
 from keras.src.distribution import distribution_lib
 
 import keras_layoutmap as klm

@@ -6,7 +6,7 @@ import json
 
 import keras
 import pytest
-from conftest import DEVICES, fake_mesh
+from helpers import fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 
@@ -184,7 +184,7 @@ def test_bad_axis_in_an_alternative_names_it(mesh):
 
 @pytest.mark.sharding
 def test_weights_are_placed_by_the_fallback():
-    mesh = klm.create_mesh([("batch", DEVICES // 4), ("model", 4)])
+    mesh = mp_mesh(width=4)
     lm = klm.LayoutMap(mesh)
     lm[r"(query|key)\.kernel"] = [(None, "model", None), (None, None, None)]
     with lm.scope():

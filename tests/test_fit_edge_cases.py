@@ -14,8 +14,16 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    TESTS,
+    assert_same_history,
+    assert_same_weights,
+    digits_data,
+    digits_net,
+    dp_mesh,
+    mp_mesh,
+    net_layout_map,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -29,27 +37,15 @@ DISTRIBUTIONS = ("data_parallel", "model_parallel")
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x[:ROWS] / 16.0).astype("float32"), y[:ROWS].astype("int32")
+    return digits_data(ROWS)
 
 
 def build(loss=None, loss_weights=None):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    outputs = keras.layers.Dense(10, name="d2")(x)
-    model = keras.Model(inputs, outputs, name="net")
-    model.compile(
-        # Not Adam: it divides each gradient by its own size, so a gradient
-        # scaled wrongly (summed over devices, loss scale left in, padding
-        # counted) would barely show in the weights.
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        loss_weights=loss_weights,
-        metrics=["accuracy"],
-        weighted_metrics=["accuracy"],
-    )
-    return model
+    # Not Adam: it divides each gradient by its own size, so a gradient
+    # scaled wrongly (summed over devices, loss scale left in, padding
+    # counted) would barely show in the weights.
+    return digits_net(keras.optimizers.SGD(0.1, momentum=0.9), loss,
+                      loss_weights=loss_weights, weighted_metrics=["accuracy"])
 
 
 def build_under(kind, loss=None, loss_weights=None):
@@ -58,12 +54,7 @@ def build_under(kind, loss=None, loss_weights=None):
     if kind == "data_parallel":
         with klm.DataParallel(dp_mesh()).scope():
             return build(loss, loss_weights)
-    mesh = mp_mesh()
-    lm = klm.LayoutMap(mesh)
-    lm[r"d1\.kernel"] = (None, "model")
-    lm[r"d1\.bias"] = ("model",)
-    lm[r"d2\.kernel"] = ("model", None)
-    with lm.scope():
+    with net_layout_map(mp_mesh()).scope():
         return build(loss, loss_weights)
 
 
@@ -83,57 +74,36 @@ def one_device(key, run):
 def assert_same(model, ref_weights, history=None, ref_history=None, rtol=1e-5,
                 atol=2e-6, loss_rtol=1e-5):
     if history is not None:
-        assert history.keys() == ref_history.keys()
-        for key in history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=loss_rtol,
-                                       err_msg=key)
+        assert_same_history(history, ref_history, rtol=loss_rtol)
     weights = model.get_weights()
     assert len(weights) == len(ref_weights)
-    for a, b in zip(weights, ref_weights):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    assert_same_weights(weights, ref_weights, rtol=rtol, atol=atol)
 
 
 # -- BackupAndRestore across a SIGKILL ----------------------------------------
 
 # Run in a fresh process, as a user's script would: KERAS_BACKEND comes from
-# the environment and configure_virtual_devices is the first call.
+# the environment and configure_virtual_devices is the first call. (The
+# model and its rules from helpers, on its PYTHONPATH: `_run`.)
 _SCRIPT = r'''
 import os, signal, sys
 import keras_layoutmap as klm
 klm.configure_virtual_devices(8)
 import keras
 import numpy as np
+from helpers import digits_net, net_layout_map
 
 mode, workdir = sys.argv[1], sys.argv[2]
 data = np.load(os.path.join(workdir, "data.npz"))
 x, y = data["x"], data["y"]
 
 
-def build():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    h = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    outputs = keras.layers.Dense(10, name="d2")(h)
-    model = keras.Model(inputs, outputs, name="net")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
 def build_under(kind):
     if kind == "data_parallel":
         with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
-            return build()
-    mesh = klm.create_mesh([("batch", 4), ("model", 2)])
-    lm = klm.LayoutMap(mesh)
-    lm[r"d1\.kernel"] = (None, "model")
-    lm[r"d1\.bias"] = ("model",)
-    lm[r"d2\.kernel"] = ("model", None)
-    with lm.scope():
-        return build()
+            return digits_net()
+    with net_layout_map(klm.create_mesh([("batch", 4), ("model", 2)])).scope():
+        return digits_net()
 
 
 class StopMidEpoch(keras.callbacks.Callback):
@@ -185,10 +155,11 @@ np.savez(os.path.join(workdir, "out.npz"), **out)
 
 
 def _run(script, *args, timeout=240):
-    # Import the same keras_layoutmap as this process does.
+    # Import the same keras_layoutmap as this process does, and helpers.
     root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [root, TESTS, env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 

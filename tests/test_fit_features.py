@@ -5,8 +5,16 @@ ModelCheckpoint, BackupAndRestore and EarlyStopping callbacks."""
 import keras
 import numpy as np
 import pytest
-from conftest import dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    assert_same_history,
+    assert_same_weights,
+    compile_classifier,
+    digits_data,
+    digits_net,
+    dp_mesh,
+    mp_mesh,
+    net_layout_map,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -18,43 +26,27 @@ BATCH = 64  # 600 rows: the last batch of an epoch holds 24
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x[:600] / 16.0).astype("float32"), y[:600].astype("int32")
+    return digits_data(600)
 
 
 def build(regularized=False, spatial=False, optimizer=None):
-    keras.utils.set_random_seed(0)
-    regularizer = keras.regularizers.L2(0.01) if regularized else None
-    inputs = keras.Input((64,))
-    x = keras.layers.Identity(name="pixels")(inputs) if spatial else inputs
-    x = keras.layers.Dense(32, activation="relu", name="d1",
-                           kernel_regularizer=regularizer)(x)
-    outputs = keras.layers.Dense(10, name="d2", kernel_regularizer=regularizer)(x)
-    model = keras.Model(inputs, outputs, name="net")
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    # Before the seed: an L2 regularizer draws nothing.
+    regularizer = dict(kernel_regularizer=keras.regularizers.L2(0.01)
+                       if regularized else None)
+    return digits_net(
+        optimizer, d1=regularizer, d2=regularizer,
+        before=(lambda: keras.layers.Identity(name="pixels")) if spatial else None)
 
 
 def model_parallel(mesh, **kwargs):
-    lm = klm.LayoutMap(mesh)
-    lm[r"d1\.kernel"] = (None, "model")
-    lm[r"d2\.kernel"] = ("model", None)
-    with lm.scope():
+    with net_layout_map(mesh, bias=False).scope():
         return build(**kwargs)
 
 
 def assert_same(model, reference, history=None, ref_history=None):
     if history is not None:
-        assert history.keys() == ref_history.keys()
-        for key in history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                       err_msg=key)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+        assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
 
 
 def test_regularization_losses_count_once(digits):
@@ -230,9 +222,7 @@ def test_every_variable_on_the_mesh_and_steps_per_execution(digits):
     x, y = digits
 
     def fit(model):
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=STEPS)
+        compile_classifier(model, steps_per_execution=STEPS)
         return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                          verbose=0).history
 

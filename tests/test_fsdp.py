@@ -4,7 +4,16 @@ with model-parallel rules on a second axis; numbers equal one device."""
 import keras
 import numpy as np
 import pytest
-from conftest import fake_mesh, mp_mesh
+from helpers import (
+    assert_same_history,
+    assert_same_weights,
+    compile_classifier,
+    fake_mesh,
+    gemma_data,
+    gemma_lm,
+    mp_mesh,
+    sequential_mlp,
+)
 
 import keras_layoutmap as klm
 
@@ -12,19 +21,8 @@ import keras_layoutmap as klm
 def mlp():
     """16 -> 64 -> 32 -> 4: d2's kernel is sharded on its input (the
     contracting) dimension, the case DTensor refuses without a gather."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(64, activation="relu", name="d1"),
-        keras.layers.Dense(32, activation="relu", name="d2"),
-        keras.layers.Dense(4, name="out"),
-    ], name="mlp")
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(sequential_mlp(
+        64, 32, 4, inputs=16, names=("d1", "d2", "out"), name="mlp"))
 
 
 def mlp_data():
@@ -150,12 +148,16 @@ def test_docstring_example():
 # -- training on the mesh ----------------------------------------------------
 
 
+def fit(model, x, y):
+    """Two epochs in batches of 8 (both data sets end on a short batch)."""
+    return model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                     verbose=0).history
+
+
 def assert_parity(model, reference, history, ref_history):
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4,
-                                   err_msg=key)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_same_history(history, ref_history, rtol=1e-4, same_keys=False)
+    assert_same_weights(model.get_weights(), reference.get_weights(), rtol=1e-4,
+                        atol=1e-5)
 
 
 def assert_placed(model, report):
@@ -183,8 +185,7 @@ def assert_placed(model, report):
 def test_mlp_parity(combined):
     x, y = mlp_data()
     reference = mlp()
-    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                                verbose=0).history
+    ref_history = fit(reference, x, y)
     mesh = mp_mesh()
     layout_map = klm.fsdp(mesh, axis="batch", min_bytes=1024)
     if combined:
@@ -195,8 +196,7 @@ def test_mlp_parity(combined):
     fsdp_rows = [r for r in report.rows if r.rule == "fsdp(batch)"]
     assert [r.object_path for r in fsdp_rows] == (
         ["d2.kernel"] if combined else ["d1.kernel", "d2.kernel"])
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0).history
+    history = fit(model, x, y)
     assert_parity(model, reference, history, ref_history)
     assert_placed(model, report)  # after training: storage still sharded
     kernel = model.get_layer("d2").kernel
@@ -206,22 +206,13 @@ def test_mlp_parity(combined):
                                reference.evaluate(x, y, verbose=0), rtol=1e-4)
 
 
-def gemma_lm():
-    from test_keras_hub import build_lm
-
-    return build_lm()
-
-
 @pytest.mark.sharding
 @pytest.mark.training
 @pytest.mark.parametrize("combined", [False, True], ids=["fsdp", "fsdp+tp"])
 def test_gemma_parity(combined):
-    from test_keras_hub import data
-
-    x, y = data()
+    x, y = gemma_data()
     reference = gemma_lm()
-    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                                verbose=0).history  # 36 rows: a short batch
+    ref_history = fit(reference, x, y)  # 36 rows: a short batch
     mesh = mp_mesh()
     rules = klm.LayoutMap(mesh)
     if combined:  # the MLP model-parallel, the rest FSDP
@@ -239,8 +230,7 @@ def test_gemma_parity(combined):
                for r in by_rule["fsdp(batch)"])
     assert all(r.layout.is_fully_replicated() for r in by_rule[None])
     assert len(by_rule[None]) == 5  # the norms' scales
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0).history
+    history = fit(model, x, y)
     assert_parity(model, reference, history, ref_history)
     assert_placed(model, report)
     embeddings = model.backbone.token_embedding.embeddings
@@ -262,24 +252,18 @@ def test_min_bytes_zero_shards_every_divisible_weight_batchnorm_included():
             keras.layers.BatchNormalization(name="bn"),
             keras.layers.Dense(4, name="out"),
         ], name="bn_mlp")
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-2),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"])
-        return model
+        return compile_classifier(model)
 
     x, y = mlp_data()
     reference = build()
-    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                                verbose=0).history
+    ref_history = fit(reference, x, y)
     mesh = mp_mesh()
     layout_map = klm.fsdp(mesh, axis="batch", min_bytes=0)
     with layout_map.scope():
         model = build()
     report = layout_map.explain(model)
     assert all(r.rule == "fsdp(batch)" for r in report.rows)
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0).history
+    history = fit(model, x, y)
     assert_parity(model, reference, history, ref_history)
     assert_placed(model, report)
     moving_mean = model.get_layer("bn").moving_mean

@@ -6,7 +6,7 @@ read back from the backend, numbers equal to one device."""
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES
+from helpers import DEVICES
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm

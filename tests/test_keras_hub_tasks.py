@@ -7,7 +7,7 @@ layouts read back from the backend."""
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND, DEVICES
+from helpers import BACKEND, DEVICES
 
 import keras_layoutmap as klm
 
@@ -37,18 +37,11 @@ TF_CONTRACTING = (
     "a matmul on 'batch' in one operand and 'model' in the other (Llama's and "
     "Qwen's attention/MLP path), which DTensor's SPMD expansion refuses: "
     "klm's clear ValueError from the train step")
-TORCH_GENERATE = (
-    "torch DTensor: generate() fails with an AssertionError from "
-    "torch.distributed.tensor._dispatch inside the cached attention's call "
-    "(CachedGemmaAttention / the KV cache update); fit passes")
 KNOWN = {
     ("tensorflow", "fit", "llama"): TF_CONTRACTING,
     ("tensorflow", "fit", "qwen"): TF_CONTRACTING,
     ("tensorflow", "lora", "llama"): TF_CONTRACTING,
     ("tensorflow", "lora", "qwen"): TF_CONTRACTING,
-    ("torch", "fit", "gemma"): TORCH_GENERATE,
-    ("torch", "fit", "llama"): TORCH_GENERATE,
-    ("torch", "fit", "qwen"): TORCH_GENERATE,
 }
 
 
@@ -234,7 +227,6 @@ def test_preset_round_trip_lands_sharded(arch, tmp_path, no_distribution):
         np.testing.assert_array_equal(actual[path], value, err_msg=path)
 
 
-@pytest.mark.xfail(BACKEND == "torch", strict=True, reason=TORCH_GENERATE)
 def test_docs_recipe_runs(no_distribution):
     """docs/keras-distribution.md's keras-hub recipe, as it stands."""
     import pathlib

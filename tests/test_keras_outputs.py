@@ -9,7 +9,7 @@ regex, a mesh that is not every device."""
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, SPANS_PROCESSES
+from helpers import DEVICES, SPANS_PROCESSES
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm

@@ -5,7 +5,7 @@ import inspect
 import keras
 import numpy as np
 import pytest
-from conftest import fake_mesh
+from helpers import fake_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap.layer_kwargs import weight_layouts

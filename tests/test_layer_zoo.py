@@ -7,8 +7,7 @@ short last batch."""
 import keras
 import numpy as np
 import pytest
-from conftest import dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import DEVICES, assert_same_history, digits_data, dp_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -34,8 +33,7 @@ ROWS, BATCH = 280, 64  # the last batch of an epoch holds 24
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return x[:ROWS].astype("float32") / 16.0, y[:ROWS].astype("int32")
+    return digits_data(ROWS)
 
 
 def conv(x):
@@ -159,9 +157,7 @@ def test_fit_matches_one_device(digits, kind, distribution):
 
 
 def assert_same(model, reference, history, ref_history):
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                   err_msg=key)
+    assert_same_history(history, ref_history, same_keys=False)
     for weight, a, b in zip(model.weights, model.get_weights(),
                             reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=weight.path)
@@ -200,8 +196,6 @@ def test_convolution_with_the_batch_on_the_second_mesh_axis(digits):
     """Whole conv kernels on a mesh whose second axis splits the batch (a
     dense kernel split over the first keeps the step on DTensors): their
     gradients are summed over the batch axis, whichever it is."""
-    from conftest import DEVICES
-
     x, y = digits
     reference, _, data = build("conv", x)
     ref_history = fit(reference, data, y)
@@ -223,8 +217,6 @@ def test_convolution_of_an_input_split_over_space():
     each output pixel needs its neighbours across the split, and gets them
     (torch computes it on the gathered input; before, DTensor's rule gave
     the output a wrong shape)."""
-    from conftest import DEVICES
-
     def conv():
         keras.utils.set_random_seed(0)
         layer = keras.layers.Conv2D(4, 3, padding="same")
@@ -233,7 +225,7 @@ def test_convolution_of_an_input_split_over_space():
 
     x = np.random.default_rng(0).random((DEVICES, 8, 8, 3)).astype("float32")
     expected = keras.ops.convert_to_numpy(conv()(x))
-    mesh = klm.create_mesh([("batch", DEVICES // 2), ("space", 2)])
+    mesh = mp_mesh("space")
     with klm.DataParallel(mesh).scope():
         layer = conv()
     split = klm.distribute(x, klm.Layout(["batch", "space", None, None], mesh))

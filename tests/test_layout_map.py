@@ -4,7 +4,7 @@ import json
 
 import keras
 import pytest
-from conftest import fake_mesh
+from helpers import fake_mesh
 
 import keras_layoutmap as klm
 

@@ -7,7 +7,7 @@ import json
 import keras
 import numpy as np
 import pytest
-from conftest import fake_mesh, mp_mesh
+from helpers import fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import cli

@@ -1,6 +1,6 @@
 import keras
 import pytest
-from conftest import DEVICES, fake_mesh
+from helpers import DEVICES, fake_mesh
 
 import keras_layoutmap as klm
 

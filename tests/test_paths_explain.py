@@ -2,7 +2,7 @@
 
 import keras
 import pytest
-from conftest import fake_mesh
+from helpers import fake_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import paths

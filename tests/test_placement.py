@@ -6,8 +6,17 @@ layout that does not fit moves nothing."""
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    DEVICES,
+    assert_same_history,
+    assert_same_weights,
+    compile_classifier,
+    digits_data,
+    dp_mesh,
+    mp_mesh,
+    net_layout_map,
+    sequential_mlp,
+)
 
 import keras_layoutmap as klm
 
@@ -18,23 +27,11 @@ BATCH = 32  # 200 rows: the last batch of an epoch holds 8
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x[:200] / 16.0).astype("float32"), y[:200].astype("int32")
+    return digits_data(200)
 
 
 def build(width=32):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(width, activation="relu", name="d1"),
-        keras.layers.Dense(10, name="d2"),
-    ], name="net")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(sequential_mlp(width, 10, name="net"))
 
 
 def fit(model, data, **kwargs):
@@ -49,15 +46,7 @@ def evaluate(model, data):
 
 
 def assert_same(model, reference):
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
-
-
-def assert_history(history, ref_history):
-    assert history.keys() == ref_history.keys()
-    for key in history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                   err_msg=key)
+    assert_same_weights(model.get_weights(), reference.get_weights())
 
 
 def meshes(model):
@@ -77,36 +66,35 @@ def test_back_to_one_device_after_a_global_distribution_trains(digits):
     # frozen) once evaluate had moved it onto a mesh and the distribution
     # was cleared.
     model, reference = build(), build()
-    assert_history(fit(model, digits), fit(reference, digits))
+    assert_same_history(fit(model, digits), fit(reference, digits))
 
     klm.set_distribution(data_parallel())
     np.testing.assert_allclose(evaluate(model, digits), evaluate(reference, digits),
                                rtol=1e-5)
     assert meshes(model) == {DEVICES}
-    assert_history(fit(model, digits), fit(reference, digits))
+    assert_same_history(fit(model, digits), fit(reference, digits))
     klm.set_distribution(None)
 
     history = fit(model, digits)
     assert meshes(model) == {1}
     assert history["loss"][0] > 0.01  # it trains (the fault reported 0.0)
     klm.set_distribution(data_parallel())
-    assert_history(history, fit(reference, digits))
+    assert_same_history(history, fit(reference, digits))
     assert_same(model, reference)
     klm.set_distribution(None)
 
 
 def test_failed_model_parallel_fit_moves_nothing(digits):
     model, reference = build(width=33), build(width=33)
-    assert_history(fit(model, digits), fit(reference, digits))
-    layout_map = klm.LayoutMap(mp_mesh())
-    layout_map[r"d1\.kernel"] = (None, "model")  # 33 columns: 2 does not divide
-    layout_map[r"d2\.kernel"] = ("model", None)
+    assert_same_history(fit(model, digits), fit(reference, digits))
+    # d1's kernel has 33 columns: 2 does not divide them.
+    layout_map = net_layout_map(mp_mesh(), bias=False)
     klm.set_distribution(klm.ModelParallel(layout_map=layout_map))
     with pytest.raises(ValueError, match=r"d1\.kernel.*size 33.*'model'"):
         fit(model, digits)
     assert meshes(model) == {1}  # nothing half-moved
     klm.set_distribution(None)
-    assert_history(fit(model, digits), fit(reference, digits))
+    assert_same_history(fit(model, digits), fit(reference, digits))
     assert_same(model, reference)
 
 
@@ -117,7 +105,7 @@ def test_failed_data_parallel_fit_then_plain_fit(digits):
     with pytest.raises(ValueError):
         model.fit(x[:, :60], y, batch_size=BATCH, verbose=0)  # wrong width
     klm.set_distribution(None)
-    assert_history(fit(model, digits), fit(reference, digits))
+    assert_same_history(fit(model, digits), fit(reference, digits))
     assert meshes(model) == {1}
     assert_same(model, reference)
 
@@ -141,7 +129,7 @@ def test_model_moves_from_its_mesh_to_another_and_back(digits):
     assert layout.mesh == dp_mesh()
     assert layout.sharding_specs == ["unsharded", "unsharded"]
     klm.set_distribution(None)
-    assert_history(history, fit(reference, digits))
+    assert_same_history(history, fit(reference, digits))
 
     history = fit(model, digits)  # the model remembers mesh B and its rules
     layout = klm.fetch_layout(kernel)
@@ -150,7 +138,7 @@ def test_model_moves_from_its_mesh_to_another_and_back(digits):
     moment = [v for v in model.optimizer.variables
               if v.shape == kernel.shape][0]  # Adam's slot follows its weight
     assert klm.fetch_layout(moment).sharding_specs == ["unsharded", "model"]
-    assert_history(history, fit(reference, digits))
+    assert_same_history(history, fit(reference, digits))
     assert_same(model, reference)
 
 

@@ -3,23 +3,16 @@ script in two processes of 4 devices each, and training equals one device."""
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import configure_script, launch
 
 from keras_layoutmap import backends
 from keras_layoutmap.processes import Cluster, cluster_from_environment
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
 MULTI_PROCESS = backends.name() in ("jax", "tensorflow")
-
-
-def launch(n, *args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout)
 
 
 # -- where a process finds its cluster (backend-neutral) --------------------
@@ -187,9 +180,7 @@ def test_unseeded_processes_make_the_same_replicated_weights(tmp_path):
 @pytest.mark.processes
 @pytestmark_mp
 def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
-    script = tmp_path / "three.py"
-    script.write_text("import keras_layoutmap as klm\n"
-                      "klm.configure_virtual_devices(8)\n")
+    script = configure_script(tmp_path / "three.py")
     result = launch(3, script, timeout=120)
     assert result.returncode != 0
     assert "cannot be spread evenly over the 3 processes" in result.stderr
@@ -200,9 +191,7 @@ def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
 @pytest.mark.skipif(backends.name() != "torch",
                     reason="JAX and TensorFlow put several devices in a process")
 def test_torch_needs_one_process_per_device(tmp_path):
-    script = tmp_path / "two.py"
-    script.write_text("import keras_layoutmap as klm\n"
-                      "klm.configure_virtual_devices(8)\n")
+    script = configure_script(tmp_path / "two.py")
     result = launch(2, script, timeout=120)
     assert result.returncode != 0
     assert "keras_layoutmap.launch -n 8" in result.stderr

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, dp_mesh, local_shards, mp_mesh
+from helpers import DEVICES, dp_mesh, local_shards, mp_mesh
 
 import keras_layoutmap as klm
 

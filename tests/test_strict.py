@@ -8,7 +8,7 @@ import json
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, fake_mesh, mp_mesh
+from helpers import fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import cli, strict
@@ -98,7 +98,7 @@ def data():
 @pytest.mark.training
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict", "train_on_batch"])
 def test_fails_before_training_built_model(method):
-    mesh = klm.create_mesh([("batch", DEVICES), ("model", 1)])
+    mesh = mp_mesh(width=1)
     lm = klm.LayoutMap(mesh, strict=True)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"renamed\.kernel"] = ("model", None)
@@ -123,7 +123,7 @@ def test_fails_before_training_built_model(method):
 def test_fails_before_training_model_built_by_fit():
     # A subclassed model is built by fit itself: the check runs from a
     # callback once it is built, before the first step.
-    mesh = klm.create_mesh([("batch", DEVICES), ("model", 1)])
+    mesh = mp_mesh(width=1)
     lm = klm.LayoutMap(mesh, strict=True)
     lm[r"d1\.kernel"] = (None, "model")
     lm[r"typo\.kernel"] = ("model", None)
@@ -145,7 +145,7 @@ def test_fails_before_training_model_built_by_fit():
 
 @pytest.mark.training
 def test_passing_plan_trains_and_is_checked_once(monkeypatch):
-    mesh = klm.create_mesh([("batch", DEVICES), ("model", 1)])
+    mesh = mp_mesh(width=1)
     lm = klm.LayoutMap(mesh, strict=True)
     lm[r"d\d\.kernel"] = (None, "model")
     with lm.scope():

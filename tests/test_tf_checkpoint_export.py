@@ -7,6 +7,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from helpers import compile_classifier, device_names, sequential_mlp
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -28,15 +29,8 @@ def data():
 
 
 def build():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="relu", name="d1"),
-        keras.layers.Dense(4, name="d2"),
-    ], name="mlp")
-    model.compile(keras.optimizers.Adam(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return compile_classifier(sequential_mlp(32, 4, inputs=16, name="mlp"),
+                              accuracy=False)
 
 
 def model_parallel(mesh):
@@ -129,7 +123,7 @@ def test_batch_on_another_mesh_is_refused(data):
     x, y = data
     with klm.DataParallel(klm.create_mesh([("batch", 8)])).scope():
         model = build()
-    other = klm.create_mesh([("batch", 4)], devices=[f"cpu:{i}" for i in range(4)])
+    other = klm.create_mesh([("batch", 4)], devices=device_names(4))
     packed = klm.distribute(x[:32], klm.Layout.batch_sharded(other, "batch", 2))
     with pytest.raises(ValueError, match=r"Model 'mlp' has its variables on a "
                        r"mesh \{'batch': 8\}, but input 0 is on another mesh "

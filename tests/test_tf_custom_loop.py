@@ -5,7 +5,7 @@ optimizer and a metric with `mesh=`. (The JAX loop is in test_training.)"""
 import keras
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
+from helpers import digits_data, sequential_mlp
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -19,20 +19,13 @@ pytestmark = [
 
 
 def build():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(64, activation="relu", name="d1"),
-        keras.layers.Dense(10, name="d2"),
-    ])
+    return sequential_mlp(64, 10)
 
 
 def train(model, optimizer, metric, mesh=None):
     import tensorflow as tf
 
-    x_all, y_all = load_digits(return_X_y=True)
-    x_all = (x_all[:512] / 16).astype("float32")
-    y_all = y_all[:512].astype("int32")
+    x_all, y_all = digits_data(512)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function

@@ -12,8 +12,16 @@ import os
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    DEVICES,
+    assert_same_history,
+    assert_same_weights,
+    digits_data,
+    digits_net,
+    dp_mesh,
+    mp_mesh,
+    net_layout_map,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -30,37 +38,21 @@ BATCH = 64  # 600 rows: the last batch of an epoch holds 24
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x[:600] / 16.0).astype("float32"), y[:600].astype("int64")
+    return digits_data(600, labels="int64")
 
 
 def build(model_class=keras.Model, dropout=0.2):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    x = keras.layers.Dropout(dropout, seed=1)(x)
-    outputs = keras.layers.Dense(10, name="d2")(x)
-    model = model_class(inputs, outputs, name="net")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return digits_net(model_class=model_class,
+                      middle=lambda: keras.layers.Dropout(dropout, seed=1))
 
 
 def model_parallel(mesh, **kwargs):
-    lm = klm.LayoutMap(mesh)
-    lm[r"d1\.kernel"] = (None, "model")
-    lm[r"d1\.bias"] = ("model",)
-    lm[r"d2\.kernel"] = ("model", None)
-    with lm.scope():
+    with net_layout_map(mesh).scope():
         return build(**kwargs)
 
 
-def assert_same_weights(model, reference):
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+def assert_same(model, reference):
+    assert_same_weights(model.get_weights(), reference.get_weights())
 
 
 def test_dataloader_input_matches_one_process(digits):
@@ -75,9 +67,8 @@ def test_dataloader_input_matches_one_process(digits):
     ref_history = reference.fit(loader(), epochs=2, verbose=0).history
     model = model_parallel(mp_mesh())
     history = model.fit(loader(), epochs=2, verbose=0).history
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
-    assert_same_weights(model, reference)
+    assert_same_history(history, ref_history, same_keys=False)
+    assert_same(model, reference)
     assert klm.fetch_layout(model.get_layer("d1").kernel) == klm.Layout(
         [None, "model"], mp_mesh())
 
@@ -122,7 +113,7 @@ def test_torch_style_loop_matches_one_process(digits):
     assert accuracy == ref_accuracy
     np.testing.assert_allclose(float(klm.unpack(loss)[0]), float(ref_loss),
                                rtol=1e-5)
-    assert_same_weights(model, reference)
+    assert_same(model, reference)
     # Adam's moments live like their weight, read from the DTensor.
     kernel = model.get_layer("d1").kernel
     (moment,) = [v for v in optimizer.variables
@@ -169,17 +160,15 @@ def test_fit_with_a_torch_train_step_matches_one_process(digits, distribution,
 
     ref_history = fit(reference := build(TorchTrainStep, dropout))
     if distribution == "data_parallel":
-        with klm.DataParallel(klm.create_mesh([("batch", DEVICES)])).scope():
+        with klm.DataParallel(dp_mesh()).scope():
             model = build(TorchTrainStep, dropout)
     else:
         model = model_parallel(mp_mesh(), model_class=TorchTrainStep,
                                dropout=dropout)
     history = fit(model)
     assert history.keys() == ref_history.keys() == {"loss", "accuracy"}
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                   err_msg=key)
-    assert_same_weights(model, reference)
+    assert_same_history(history, ref_history)
+    assert_same(model, reference)
     from keras_layoutmap.backends.torch.local_pieces import local_plans
 
     local = distribution == "data_parallel" and not dropout
@@ -210,7 +199,7 @@ def test_dcp_checkpoint_loads_under_another_mesh(digits, tmp_path):
     # A fresh process names its layers as the first did: clear_session does
     # the same here, so the state_dict keys match.
     keras.backend.clear_session()
-    other = klm.create_mesh([("batch", 1), ("model", DEVICES)])
+    other = mp_mesh(width=DEVICES)
     lm = klm.LayoutMap(other)
     lm[r"d1\.kernel"] = ("model", None)
     with lm.scope():

@@ -5,7 +5,7 @@ token ids are those of the same model on one device."""
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND, mp_mesh
+from helpers import BACKEND, mp_mesh
 
 import keras_layoutmap as klm
 

@@ -10,8 +10,14 @@ tests-torch): every process runs each test, together."""
 import keras
 import numpy as np
 import pytest
-from conftest import dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    assert_same_history,
+    assert_same_weights,
+    digits_data,
+    digits_net,
+    dp_mesh,
+    mp_mesh,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -31,8 +37,7 @@ ROWS, BATCH, UNDIVIDED = 600, 64, 66
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x[:ROWS] / 16.0).astype("float32"), y[:ROWS].astype("int32")
+    return digits_data(ROWS)
 
 
 def local_pieces():
@@ -42,19 +47,7 @@ def local_pieces():
 
 
 def build(middle=None, **dense_kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(32, activation="relu", name="d1", **dense_kwargs)(inputs)
-    if middle is not None:
-        x = middle()(x)
-    outputs = keras.layers.Dense(10, name="d2")(x)
-    model = keras.Model(inputs, outputs, name="net")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return digits_net(middle=middle, d1=dense_kwargs)
 
 
 def data_parallel(*args, mesh=None, **kwargs):
@@ -69,12 +62,8 @@ def fit(model, digits):
 
 
 def assert_same_training(model, history, reference, ref_history):
-    assert history.keys() == ref_history.keys()
-    for key in history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                   err_msg=key)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
 
 
 @pytest.mark.parametrize("axes", ["batch", "batch x model"])
@@ -208,17 +197,15 @@ def test_calls_the_fast_path_cannot_take_stay_on_dtensors(digits, case):
     history = fit(model, digits)
     plans = local_pieces().local_plans(model)
     assert plans and not any(plans.values()), plans
-    for key in history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
-                                   err_msg=key)
+    assert_same_history(history, ref_history)
     # A batch statistic is summed in another order over 4 processes than on
     # one; after 2 epochs of Adam(0.01), which normalises each update, the
     # weights differ by up to 6.5e-5 with the batch mean and 3.2e-4 with
     # batch normalization (measured; it divides by per-unit deviations, and
     # tiny ones magnify the rounding), the losses by under 1e-5 relative.
     atol = 1e-3 if case == "batch normalization" else 1e-4
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+    assert_same_weights(model.get_weights(), reference.get_weights(), rtol=1e-4,
+                        atol=atol)
 
 
 def test_a_sharded_weight_keeps_the_dtensor_path(digits):
@@ -282,5 +269,4 @@ def test_torch_style_loop_runs_locally_and_matches_one_process(digits):
     loss = run(model, placed=True)
     assert all(local_pieces().local_plans(model).values())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    assert_same_weights(model.get_weights(), reference.get_weights())

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import configure_script, launch
 
 from keras_layoutmap import backends
 
@@ -40,14 +41,11 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def launch(tmp_path, fail, n=4, timeout=120):
+def launch_training(tmp_path, fail, n=4, timeout=120):
     script = tmp_path / "train.py"
     script.write_text(TRAIN.format(fail=fail))
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n),
-         "--log-dir", str(tmp_path / "logs"), str(script)],
-        capture_output=True, text=True, timeout=timeout)
+    result = launch(n, "--log-dir", tmp_path / "logs", script, timeout=timeout)
     return result, time.monotonic() - start
 
 
@@ -56,7 +54,7 @@ def launch(tmp_path, fail, n=4, timeout=120):
     ("os.kill(os.getpid(), 9)", 137),
 ])
 def test_a_process_that_raises_or_dies_ends_every_other(tmp_path, fail, status):
-    result, seconds = launch(tmp_path, fail)
+    result, seconds = launch_training(tmp_path, fail)
     assert result.returncode == status, result.stderr[-3000:]
     assert "finished" not in result.stdout
     # Rank 1's own log is printed when it fails.
@@ -86,13 +84,8 @@ def test_torchrun_starts_the_script_the_launcher_starts(tmp_path):
 
 
 def test_a_world_that_cannot_hold_the_mesh_fails_on_every_process(tmp_path):
-    script = tmp_path / "eight.py"
-    script.write_text("import keras_layoutmap as klm\n"
-                      "klm.configure_virtual_devices(8)\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "2",
-         "--log-dir", str(tmp_path / "logs"), str(script)],
-        capture_output=True, text=True, timeout=120)
+    script = configure_script(tmp_path / "eight.py")
+    result = launch(2, "--log-dir", tmp_path / "logs", script, timeout=120)
     assert result.returncode == 1
     message = "a mesh of 8 devices spans 8 processes"
     assert message in result.stderr

@@ -7,7 +7,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import SPANS_PROCESSES, dp_mesh, mp_mesh
+from helpers import SPANS_PROCESSES, dp_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends

@@ -3,8 +3,17 @@
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, dp_mesh, mp_mesh
-from sklearn.datasets import load_digits
+from helpers import (
+    DEVICES,
+    assert_same_history,
+    assert_same_weights,
+    compile_classifier,
+    digits_data,
+    dp_mesh,
+    mp_mesh,
+    net_layout_map,
+    sequential_mlp,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -17,32 +26,16 @@ BATCH = 128  # 1797 * 0.8 -> 1437 training rows: the last batch holds 29
 
 @pytest.fixture(scope="module")
 def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x / 16.0).astype("float32"), y.astype("int32")
+    return digits_data()
 
 
 def build(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(64, activation="relu", name="d1"),
-        keras.layers.Dense(32, activation="relu", name="d2"),
-        keras.layers.Dense(10, name="d3"),
-    ], name="mlp")
-
-
-def compile_(model):
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return sequential_mlp(64, 32, 10, name="mlp", seed=seed)
 
 
 def train(model, digits, **kwargs):
     x, y = digits
-    compile_(model)
+    compile_classifier(model)
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, validation_split=0.2,
                         shuffle=False, verbose=0, **kwargs)
     return history.history
@@ -52,22 +45,8 @@ def weights(model):
     return [np.asarray(w) for w in model.get_weights()]
 
 
-def assert_same_weights(a, b):
-    for wa, wb in zip(a, b):
-        np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=2e-6)
-
-
-def assert_same_history(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=key)
-
-
 def model_parallel_map(mesh):
-    lm = klm.LayoutMap(mesh)
-    lm[r"d1\.kernel"] = (None, "model")
-    lm[r"d1\.bias"] = ("model",)
-    lm[r"d2\.kernel"] = ("model", None)
+    lm = net_layout_map(mesh)
     lm[r"d3\.kernel"] = (None, "model")
     return lm
 
@@ -138,11 +117,11 @@ def test_short_batch_loss_and_gradients_exact(digits):
     """A 29-row batch on the whole batch axis (8 or 4 devices, neither
     divides 29): one step, compared directly."""
     x, y = digits[0][:29], digits[1][:29]
-    reference = compile_(build())
+    reference = compile_classifier(build())
     ref_logs = reference.train_on_batch(x, y, return_dict=True)
     mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
-        model = compile_(build())
+        model = compile_classifier(build())
     logs = model.train_on_batch(x, y, return_dict=True)
     for key in ref_logs:
         np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-6)
@@ -157,7 +136,7 @@ def test_weights_move_between_meshes_and_no_distribution(tmp_path, digits, singl
     path = str(tmp_path / "mp.weights.h5")
     model.save_weights(path)
     # Another mesh (a model axis twice as wide), another layout.
-    other = klm.create_mesh([("batch", DEVICES // 4), ("model", 4)])
+    other = mp_mesh(width=4)
     lm = klm.LayoutMap(other)
     lm[r"d.\.kernel"] = ("model", None)
     with lm.scope():
@@ -250,7 +229,8 @@ def build_two_inputs():
     x = keras.layers.BatchNormalization(name="bn")(x)
     x = keras.layers.Activation("relu")(x)
     x = keras.layers.Dropout(0.3)(x)
-    return compile_(keras.Model(inputs, keras.layers.Dense(10, name="d2")(x)))
+    return compile_classifier(
+        keras.Model(inputs, keras.layers.Dense(10, name="d2")(x)))
 
 
 class DigitBatches(keras.utils.PyDataset):
@@ -295,7 +275,6 @@ def test_batchnorm_dropout_dict_inputs_and_data_sources(digits, source):
     assert_same_history(history, ref_history)
     # BatchNormalization divides by per-unit batch deviations; a unit with a
     # tiny one magnifies reduction-order rounding, so allow 1e-4 here.
-    for a, b in zip(weights(model), weights(reference)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_same_weights(weights(model), weights(reference), rtol=1e-4, atol=1e-5)
     moving_mean = model.get_layer("bn").moving_mean
     assert klm.fetch_layout(moving_mean) == klm.Layout(["model"], mesh)

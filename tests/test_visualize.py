@@ -7,7 +7,7 @@ import io
 import keras
 import numpy as np
 import pytest
-from conftest import DEVICES, fake_mesh, mp_mesh
+from helpers import DEVICES, fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap import cli

@@ -5,7 +5,7 @@ Adam's state per device divided by the axis size (read from the backend)."""
 import keras
 import numpy as np
 import pytest
-from conftest import fake_mesh, mp_mesh
+from helpers import fake_mesh, mp_mesh
 
 import keras_layoutmap as klm
 from keras_layoutmap.memory import measured

@@ -16,29 +16,25 @@ klm.configure_virtual_devices(8)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+
+# The tests' shared helpers, in this script's parent folder.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import (  # noqa: E402
+    compile_classifier,
+    digits_data,
+    net_layout_map,
+    sequential_mlp,
+)
 
 out = sys.argv[1]
 rank = klm.process_index()
 count = klm.process_count()
-x, y = load_digits(return_X_y=True)
-x, y = (x[:200] / 16.0).astype("float32"), y[:200].astype("int32")
+x, y = digits_data(200)
 BATCH = 64  # the last global batch of an epoch holds 8 rows
 
 
 def build():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, activation="relu", name="d1"),
-        keras.layers.Dense(10, name="d2"),
-    ], name="net")
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_classifier(sequential_mlp(32, 10, name="net"))
 
 
 def train(model, x, y, batch):
@@ -58,9 +54,7 @@ reference = train(build(), x, y, BATCH)
 # The model axis spans the processes: each "model" pair joins a device of
 # process 0 with one of process 1.
 mesh_mp = klm.create_mesh([("model", 2), ("batch", 4)])
-layout_map = klm.LayoutMap(mesh_mp)
-layout_map[r"d1\.kernel"] = (None, "model")
-layout_map[r"d2\.kernel"] = ("model", None)
+layout_map = net_layout_map(mesh_mp, bias=False)
 runs = {}
 dp = klm.DataParallel(klm.create_mesh([("batch", 8)]))
 klm.set_distribution(dp)

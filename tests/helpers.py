@@ -1,0 +1,240 @@
+"""What the test files share: the run's devices and its meshes, the digits
+data, the small models the tests train and the rules that split them, the
+keras-hub config, the checks that training on a mesh equals one device, and
+starting Python in fresh processes.
+
+A plain module, not a fixture file (those are in conftest.py): a test file
+imports it as `from helpers import ...` (pytest puts tests/, which is no
+package, on `sys.path`), and so does a script a test starts in a fresh
+process (tests/workers/parity.py puts tests/ on its own path; a script
+written at run time gets `TESTS` on its PYTHONPATH). Importing it touches no
+device: conftest.py, or the script, configures the devices first.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+
+import keras_layoutmap as klm
+from keras_layoutmap import backends
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# -- the run's devices --------------------------------------------------------
+
+# `sharding` tests need a backend that places tensors on a mesh; `training`
+# tests need `model.fit` on a mesh. On JAX and TensorFlow the run makes 8
+# devices in this process. On torch a mesh spans processes, one device each:
+# the run has as many devices as the launcher started processes (`python -m
+# keras_layoutmap.launch -n 4 -m pytest`, as `nox -s tests-torch` does),
+# every rank running the same session and each test collectively.
+# conftest.py makes the devices.
+BACKEND = backends.name()
+SHARDING = backends.get().SHARDING
+TRAINING = backends.get().TRAINING
+if BACKEND == "torch":
+    DEVICES = int(os.environ.get("WORLD_SIZE", "1"))
+else:
+    # KLM_TEST_DEVICES (default 8) checks the suite at another count, e.g.
+    # 4 as a torch run has.
+    DEVICES = int(os.environ.get("KLM_TEST_DEVICES", "8"))
+
+# True where each process holds one device of a mesh spanning several.
+SPANS_PROCESSES = BACKEND == "torch" and DEVICES > 1
+
+
+# -- meshes -------------------------------------------------------------------
+
+
+def device_names(n):
+    """The names of the run's first `n` devices (`"cpu:0"`, ...)."""
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def dp_mesh():
+    """A data-parallel mesh over every device of the run."""
+    return klm.create_mesh([("batch", DEVICES)])
+
+
+def mp_mesh(axis="model", width=2):
+    """A (batch, `axis`) mesh over every device of the run, `axis` `width`
+    wide: (4, 2) on 8 devices, (2, 2) on 4."""
+    return klm.create_mesh([("batch", DEVICES // width), (axis, width)])
+
+
+def fake_mesh(dims):
+    """A mesh over named (not real) devices: enough for rules, layouts and
+    explain, which never place a tensor."""
+    return klm.Mesh.for_planning(dims)
+
+
+def local_shards(value, layout):
+    """What `klm.unpack` of `value` laid out as `layout` gives in this
+    process: the piece each of its devices holds, in mesh order, cut here
+    from the whole numpy `value`."""
+    mesh = layout.mesh
+    names = list(mesh.axis_names)
+    pieces = []
+    for device in mesh.local_device_ids():
+        position = np.unravel_index(device, tuple(mesh.shape))
+        index = []
+        for size, axis in zip(value.shape, layout.axes):
+            if axis is None:
+                index.append(slice(None))
+                continue
+            parts = mesh.dim_size(axis)
+            step = size // parts
+            start = step * int(position[names.index(axis)])
+            index.append(slice(start, start + step))
+        pieces.append(value[tuple(index)])
+    return pieces
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def digits_data(rows=None, labels="int32"):
+    """scikit-learn's handwritten digits (1797 images of 8x8 pixels), the
+    first `rows` of them (all by default): pixels scaled to [0, 1] as
+    float32, one row of 64 per image, and the labels 0-9 as `labels`."""
+    x, y = load_digits(return_X_y=True)
+    return (x[:rows] / 16.0).astype("float32"), y[:rows].astype(labels)
+
+
+# -- models -------------------------------------------------------------------
+
+
+def compile_classifier(model, optimizer=None, loss=None, accuracy=True, **kwargs):
+    """`model.compile` as the tests train a classifier of logits: Adam(0.01)
+    unless `optimizer`, sparse categorical cross-entropy unless `loss`,
+    accuracy as the metric unless not `accuracy`; `kwargs` go to compile."""
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(0.01),
+        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"] if accuracy else None,
+        **kwargs,
+    )
+    return model
+
+
+def sequential_mlp(*units, inputs=64, names=None, name=None, seed=0):
+    """A `keras.Sequential` of Dense layers, not compiled: `inputs` features
+    in, a layer of each of `units`, relu but the last, named d1, d2, ...
+    unless `names`; the random seed set to `seed` first."""
+    keras.utils.set_random_seed(seed)
+    names = names or [f"d{i}" for i in range(1, len(units) + 1)]
+    layers = [keras.Input((inputs,))]
+    for width, layer in zip(units[:-1], names):
+        layers.append(keras.layers.Dense(width, activation="relu", name=layer))
+    layers.append(keras.layers.Dense(units[-1], name=names[len(units) - 1]))
+    return keras.Sequential(layers, name=name)
+
+
+def digits_net(optimizer=None, loss=None, *, before=None, middle=None, d1=None,
+               d2=None, model_class=keras.Model, **compile_kwargs):
+    """A Functional classifier of the digits, 64 pixels -> Dense(32, relu)
+    `d1` -> Dense(10) `d2`, named "net", made from seed 0 and compiled by
+    `compile_classifier(model, optimizer, loss, **compile_kwargs)`.
+
+    `before` and `middle` make a layer to put before d1 and between d1 and d2
+    (each made where it stands, in the order the layers are made); `d1` and
+    `d2` are more arguments for those layers; `model_class` makes the model
+    from (inputs, outputs, name=)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    x = before()(inputs) if before is not None else inputs
+    x = keras.layers.Dense(32, activation="relu", name="d1", **(d1 or {}))(x)
+    if middle is not None:
+        x = middle()(x)
+    outputs = keras.layers.Dense(10, name="d2", **(d2 or {}))(x)
+    model = model_class(inputs, outputs, name="net")
+    return compile_classifier(model, optimizer, loss, **compile_kwargs)
+
+
+def net_layout_map(mesh, bias=True):
+    """Model-parallel rules for d1 -> d2 (a Megatron-style pair): d1's
+    kernel split over `model` on its outputs, its bias with them (unless
+    not `bias`), and d2's kernel on its inputs."""
+    layout_map = klm.LayoutMap(mesh)
+    layout_map[r"d1\.kernel"] = (None, "model")
+    if bias:
+        layout_map[r"d1\.bias"] = ("model",)
+    layout_map[r"d2\.kernel"] = ("model", None)
+    return layout_map
+
+
+# -- keras-hub ----------------------------------------------------------------
+
+TINY_GEMMA = dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                  num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                  head_dim=8)
+
+
+def gemma_lm():
+    """A causal LM head on a TINY_GEMMA backbone, as a plain Functional
+    model (the keras-hub task class would need a data loader for its
+    preprocessing)."""
+    import keras_hub  # the `nlp` extra; tests-jax installs it
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    inputs = {
+        "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+        "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
+    }
+    hidden = backbone(inputs)
+    logits = backbone.token_embedding(hidden, reverse=True)
+    model = keras.Model(inputs, logits, name="gemma_lm")
+    model.backbone = backbone
+    return compile_classifier(model, keras.optimizers.Adam(1e-2))
+
+
+def gemma_data():
+    """36 sequences of 8 tokens for gemma_lm, each next token the label."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(36, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((36, 8), "int32")}
+    return x, tokens[:, 1:]
+
+
+# -- one device and a mesh give the same numbers --------------------------------
+
+
+def assert_same_history(history, reference, rtol=1e-5, same_keys=True):
+    """Each of `reference`'s logs (`History.history`, a dict of lists) in
+    `history` to `rtol`; the same logs, no more, unless not `same_keys`."""
+    if same_keys:
+        assert history.keys() == reference.keys()
+    for key in reference:
+        np.testing.assert_allclose(history[key], reference[key], rtol=rtol,
+                                   err_msg=key)
+
+
+def assert_same_weights(weights, reference, rtol=1e-5, atol=2e-6):
+    """Two lists of weights (`model.get_weights()`) pairwise equal."""
+    for a, b in zip(weights, reference):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# -- fresh processes ----------------------------------------------------------
+
+
+def launch(n, *args, timeout=300, **kwargs):
+    """`python -m keras_layoutmap.launch -n n ARGS...`, its output captured
+    as text; `kwargs` go to `subprocess.run`."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_layoutmap.launch", "-n", str(n),
+         *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def configure_script(path, devices=8):
+    """Write a script to `path` that only configures `devices` devices, as
+    the first call of a user's script (the launcher's checks need no more)."""
+    path.write_text("import keras_layoutmap as klm\n"
+                    f"klm.configure_virtual_devices({devices})\n")
+    return path
