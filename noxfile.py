@@ -115,9 +115,15 @@ def tests_torch(session):
 # and `keras-hub` (they provide the same packages). Pinned, so that CI runs
 # what was tested; move the pins forward with a green run, and raise the
 # `keras` range of pyproject.toml (and keras_internals.SUPPORTED_KERAS) only
-# with one on the release. These sessions run the sharding and training
-# tests (`-m "sharding or training"`), plus the seam's own tests: the whole
-# suite twice would take nox past 45 minutes on 2 cores.
+# with one on the release. These sessions run the files that go through
+# every Keras internal the package patches (the seam itself, training,
+# Keras' own classes, placement on a mesh, weights born sharded, the layer
+# zoo's convolutions, attention and recurrent layers): the whole suite, or
+# even all its sharding and training tests, a second time would take nox
+# far past 45 minutes on 2 cores.
+NEXT_TESTS = ["tests/test_keras_internals.py", "tests/test_training.py",
+              "tests/test_keras_classes.py", "tests/test_sharding.py",
+              "tests/test_born_sharded.py", "tests/test_layer_zoo.py"]
 KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
               "keras-hub-nightly==0.33.0.dev202610250352"]
 
@@ -133,7 +139,7 @@ def tests_keras_next_jax(session):
     session.install("-e", ".[jax,test]")
     session.install(*KERAS_HUB_DEPS)
     _install_keras_next(session)
-    _pytest(session, "jax", "-m", f"({MESH_TESTS}) or keras_internals")
+    _pytest(session, "jax", *NEXT_TESTS)
 
 
 @nox.session(name="tests-keras-next-tensorflow", python=PYTHON)
@@ -142,7 +148,7 @@ def tests_keras_next_tensorflow(session):
     session.install("-e", ".[tensorflow-cpu,test]")
     session.install(*KERAS_HUB_DEPS)
     _install_keras_next(session)
-    _pytest(session, "tensorflow", "-m", f"({MESH_TESTS}) or keras_internals")
+    _pytest(session, "tensorflow", *NEXT_TESTS)
 
 
 @nox.session(name="tests-keras-next-torch", python=PYTHON)
@@ -152,13 +158,14 @@ def tests_keras_next_torch(session):
     session.install("-e", ".[torch,test]")
     session.install(*KERAS_HUB_DEPS)
     _install_keras_next(session)
+    _pytest(session, "torch", "tests/test_keras_internals.py")
     logs = session.create_tmp()
     session.run(
         "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
         "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
         f"--timeout={TORCH_TEST_TIMEOUT}",
         "-m", f"({MESH_TESTS}) and not processes",
-        *session.posargs,
+        *(session.posargs or NEXT_TESTS),
         env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
     )
 

@@ -16,7 +16,7 @@ from helpers import (
 )
 
 import keras_layoutmap as klm
-from keras_layoutmap import backends
+from keras_layoutmap import backends, keras_internals
 
 pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
@@ -257,6 +257,19 @@ def _tf_dataset(digits):
         ({"a": x[:, :32], "b": x[:, 32:]}, y)).batch(BATCH)
 
 
+# Found by the keras-nightly session, not yet understood: on keras
+# 3.16.0.dev2026102704 (JAX), the model-parallel weights of this model differ
+# from one device's by up to 7e-4 after 2 epochs (on 3.15: 8e-6), on inputs
+# seen often as well as rarely; the losses still agree to 1e-5.
+KERAS_NEXT_BN_DROPOUT = pytest.mark.xfail(
+    backends.name() == "jax"
+    and keras_internals.parse_version(keras.version()) >= (3, 16),
+    strict=True, reason="keras 3.16-nightly on JAX: weights differ from one "
+    "device by 7e-4 (BatchNormalization + Dropout, model parallel); an open "
+    "issue")
+
+
+@KERAS_NEXT_BN_DROPOUT
 @pytest.mark.parametrize("source", ["pydataset", "tf.data"])
 def test_batchnorm_dropout_dict_inputs_and_data_sources(digits, source):
     def data():
