@@ -204,7 +204,8 @@ def assert_estimate_is_what_the_backend_holds(model, report):
 @pytest.mark.training
 def test_gemma_estimate_equals_backend_after_a_fit_step():
     import keras_hub  # noqa: F401  (the nlp extra)
-    from test_keras_hub import build_lm, data
+    from helpers import gemma_data as data
+    from helpers import gemma_lm as build_lm
 
     mesh = mp_mesh()
     layout_map = klm.LayoutMap.from_keras(
