@@ -150,13 +150,21 @@ def layout_map_scope(layout_map):
     >>> klm.fetch_layout(model.layers[0].kernel).sharding_specs
     ['unsharded', 'batch']
     """
-    if isinstance(layout_map, keras_distribution.LayoutMap) and not isinstance(
-            layout_map, LayoutMap):
-        layout_map = LayoutMap.from_keras(layout_map)
-    if not isinstance(layout_map, LayoutMap):
+    return as_layout_map(layout_map, "layout_map_scope expects").scope()
+
+
+def as_layout_map(value, what):
+    """`value` as a `klm.LayoutMap`: itself, or the rules of a
+    `keras.distribution.LayoutMap` (Keras' meaning kept); anything else is
+    a `TypeError` that begins with `what` ("f expects") and names the
+    value received."""
+    if isinstance(value, keras_distribution.LayoutMap) and not isinstance(
+            value, LayoutMap):
+        value = LayoutMap.from_keras(value)
+    if not isinstance(value, LayoutMap):
         raise TypeError(
-            "layout_map_scope expects a `klm.LayoutMap` (or a "
+            f"{what} a `klm.LayoutMap` (or a "
             "`keras.distribution.LayoutMap`). Received: "
-            f"{layout_map!r} of type {type(layout_map).__name__}"
+            f"{value!r} of type {type(value).__name__}"
         )
-    return layout_map.scope()
+    return value

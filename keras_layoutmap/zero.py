@@ -20,7 +20,7 @@ import numpy as np
 from keras import distribution as keras_distribution
 
 from keras_layoutmap.layout import Layout, as_layout
-from keras_layoutmap.layout_map import LayoutMap
+from keras_layoutmap.layout_map import as_layout_map
 
 DEFAULT_MIN_BYTES = 1 << 16  # 64 KiB: slots of biases and norms stay whole
 
@@ -108,16 +108,8 @@ def shard_optimizer_states(layout_map, axis="batch",
     >>> klm.fetch_layout(model.optimizer.variables[2]).sharding_specs
     ['unsharded', 'batch']
     """
-    from keras import distribution as keras_distribution
-
-    if isinstance(layout_map, keras_distribution.LayoutMap) and not isinstance(
-            layout_map, LayoutMap):
-        layout_map = LayoutMap.from_keras(layout_map)
-    if not isinstance(layout_map, LayoutMap):
-        raise TypeError(
-            "shard_optimizer_states: `layout_map` must be a `klm.LayoutMap` "
-            "(or a `keras.distribution.LayoutMap`). Received: "
-            f"{layout_map!r} of type {type(layout_map).__name__}")
+    layout_map = as_layout_map(
+        layout_map, "shard_optimizer_states: `layout_map` must be")
     mesh = layout_map.device_mesh
     if mesh is None:
         raise ValueError(
