@@ -15,8 +15,8 @@ JAX one device 12534 tokens/s, ModelParallel 781 (0.06), plain Keras on
 the same mesh 1265 (klm / plain 0.62, ids identical); TensorFlow one device
 765, ModelParallel 72 (0.09). Tiny model on virtual CPU devices: the mesh's
 collectives dominate; the figures say what the plugin costs, not what a
-sharded model gains on accelerators. torch: generate() does not yet run
-under ModelParallel (the DTensor dispatch AssertionError).
+sharded model gains on accelerators. torch: generate() runs under
+ModelParallel now (tests/test_torch_generate.py); not yet measured here.
 
 Run: KERAS_BACKEND=jax python benchmarks/generate.py
      KERAS_BACKEND=tensorflow python benchmarks/generate.py
