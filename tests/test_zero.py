@@ -130,8 +130,10 @@ def test_slots_that_cannot_be_split_keep_the_weights_layout():
     assert list(plan) == list(base)
     # Its config holds the rules (and FSDP's policy); the split is applied
     # again to a loaded map.
-    again = klm.LayoutMap.from_json(plan.to_json())
+    # (on the planning mesh: a one-process torch run has one real device)
+    again = klm.LayoutMap.from_json(plan.to_json(), mesh=mesh)
     assert list(again) == list(base) and not hasattr(again, "slot_layout")
+    assert again.fsdp_axis == "batch" and again.device_mesh == mesh
 
 
 def test_indivisible_slot_is_said():
