@@ -13,8 +13,9 @@ path (`re.search`), an exact key first.
 Example:
 
 >>> import keras, keras_layoutmap as klm
->>> mesh = keras.distribution.DeviceMesh((1,), ["batch"],
-...     devices=klm.list_devices()[:1])
+>>> devices = klm.list_devices()
+>>> mesh = keras.distribution.DeviceMesh((len(devices),), ["batch"],
+...     devices=devices)
 >>> with keras.distribution.DataParallel(device_mesh=mesh).scope():
 ...     isinstance(keras.distribution.distribution(), klm.DataParallel)
 True
