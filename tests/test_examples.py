@@ -42,6 +42,10 @@ ONLY_ON = {
 }
 
 
+# Examples written for torch's launcher too: {script: processes}.
+TORCH_LAUNCHED = {"gemma_model_parallel.py": 4}
+
+
 def test_every_example_is_listed():
     """A new example script gets a row in SCRIPTS, so it is run here."""
     scripts = {p.name for p in EXAMPLES.glob("*.py")}
@@ -55,12 +59,20 @@ def test_example_runs(script, args, passed):
     only, reason = ONLY_ON.get(script, (backend, None))
     if backend != only:
         pytest.skip(f"{reason} (this session runs {backend})")
+    command = [sys.executable, str(EXAMPLES / script), *args]
     if backend == "torch":
-        pytest.skip("the examples make 8 devices: on torch 8 processes of one "
-                    "device each, more than this test's time allows on 2 cores; "
-                    "tests/test_torch_distributed.py runs the same patterns on 4")
+        if script not in TORCH_LAUNCHED:
+            pytest.skip("this example makes 8 devices: on torch 8 processes of "
+                        "one device each, more than this test's time allows on 2 "
+                        "cores; tests/test_torch_distributed.py runs the same "
+                        "patterns on 4")
+        # As a torch user runs it: one process per device, under the launcher.
+        command = [sys.executable, "-m", "keras_layoutmap.launch", "-n",
+                   str(TORCH_LAUNCHED[script]), *command[1:]]
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run([sys.executable, str(EXAMPLES / script), *args],
-                            env=env, capture_output=True, text=True, timeout=600)
+    if backend == "torch":
+        env.setdefault("OMP_NUM_THREADS", "1")  # a process per device
+    result = subprocess.run(command, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert passed in result.stdout, result.stdout[-3000:]
