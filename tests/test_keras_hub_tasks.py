@@ -233,7 +233,8 @@ def test_docs_recipe_runs(no_distribution):
     import re
 
     page = pathlib.Path(__file__).parent.parent / "docs" / "keras-distribution.md"
-    (code,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    (code,) = re.findall(r"## The keras-hub recipe.*?```python\n(.*?)```",
+                         page.read_text(), re.S)
     scope = {}
     exec(compile(code, str(page), "exec"), scope)
     backbone = scope["gemma_lm"].backbone
