@@ -59,58 +59,13 @@ def _check_python(session):
             "e.g. `python3.11 -m nox`.")
 
 
-def _pytest(session, backend, *args):
-    session.run(
-        "pytest",
-        *args,
-        *session.posargs,
-        env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
-
-
-@nox.session(name="tests-jax", python=PYTHON)
-def tests_jax(session):
-    _check_python(session)
-    session.install("-e", ".[jax,test]")
-    session.install(*KERAS_HUB)
-    session.install(*KERAS_HUB_DEPS)
-    _pytest(session, "jax")
-
-
-@nox.session(name="tests-tensorflow", python=PYTHON)
-def tests_tensorflow(session):
-    _check_python(session)
-    # tensorflow-cpu, explicitly: the `tensorflow` extra is full TensorFlow.
-    session.install("-e", ".[tensorflow-cpu,test]")
-    session.install(*KERAS_HUB)
-    session.install(*KERAS_HUB_DEPS)
-    _pytest(session, "tensorflow")
-
-
+# Tests run in as many pytest workers as the machine has cores
+# (pytest-xdist; each worker makes its own 8 virtual devices), at most 4.
+WORKERS = ["--numprocesses=auto", "--maxprocesses=4"]
+EXTRA = {"jax": "jax", "tensorflow": "tensorflow-cpu", "torch": "torch"}
 TORCH_PROCESSES = 4
 TORCH_TEST_TIMEOUT = 300  # seconds, per test, in the 4-process run
 MESH_TESTS = "sharding or training"
-
-
-@nox.session(name="tests-torch", python=PYTHON)
-def tests_torch(session):
-    _check_python(session)
-    session.install(TORCH)
-    # The `torch` extra's range holds the pinned build, which pip keeps.
-    session.install("-e", ".[torch,test]")
-    session.install(*KERAS_HUB)
-    session.install(*KERAS_HUB_DEPS)
-    _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes")
-    logs = session.create_tmp()
-    session.run(
-        "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
-        "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
-        f"--timeout={TORCH_TEST_TIMEOUT}",
-        "-m", f"({MESH_TESTS}) and not processes",
-        *session.posargs,
-        env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
-    )
-
 
 # Keras' next release, before it ships: the nightly builds replace `keras`
 # and `keras-hub` (they provide the same packages). Pinned, so that CI runs
@@ -119,56 +74,96 @@ def tests_torch(session):
 # with one on the release. These sessions run the files that go through
 # every Keras internal the package patches (the seam itself, training,
 # Keras' own classes, placement on a mesh, weights born sharded, the layer
-# zoo's convolutions, attention and recurrent layers): the whole suite, or
-# even all its sharding and training tests, a second time would take nox
-# far past 45 minutes on 2 cores.
+# zoo's convolutions, attention and recurrent layers): the whole suite a
+# second time would take nox far past 45 minutes on 2 cores.
 NEXT_TESTS = ["tests/test_keras_internals.py", "tests/test_training.py",
               "tests/test_keras_classes.py", "tests/test_sharding.py",
               "tests/test_born_sharded.py", "tests/test_layer_zoo.py"]
 KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
               "keras-hub-nightly==0.33.0.dev202610250352"]
 
-def _install_keras_next(session):
-    session.run_install("python", "-m", "pip", "uninstall", "--yes", "--quiet",
-                        "keras", "keras-hub", "keras-nightly", "keras-hub-nightly")
-    session.install("--no-deps", *KERAS_NEXT)
 
-
-@nox.session(name="tests-keras-next-jax", python=PYTHON)
-def tests_keras_next_jax(session):
+def _install(session, backend, keras_next=False):
+    """The package with `backend`'s extra (tensorflow-cpu for TensorFlow;
+    the pinned CPU torch first, which the `torch` extra's range keeps), then
+    keras-hub, or keras-nightly and keras-hub-nightly in their place."""
     _check_python(session)
-    session.install("-e", ".[jax,test]")
+    if backend == "torch":
+        session.install(TORCH)
+    session.install("-e", f".[{EXTRA[backend]},test]")
     session.install(*KERAS_HUB_DEPS)
-    _install_keras_next(session)
-    _pytest(session, "jax", *NEXT_TESTS)
+    if keras_next:
+        # Both nightlies provide the packages `keras` and `keras_hub`.
+        session.run_install("python", "-m", "pip", "uninstall", "--yes",
+                            "--quiet", "keras", "keras-hub", "keras-nightly",
+                            "keras-hub-nightly")
+        session.install("--no-deps", *KERAS_NEXT)
+    else:
+        session.install(*KERAS_HUB)
 
 
-@nox.session(name="tests-keras-next-tensorflow", python=PYTHON)
-def tests_keras_next_tensorflow(session):
-    _check_python(session)
-    session.install("-e", ".[tensorflow-cpu,test]")
-    session.install(*KERAS_HUB_DEPS)
-    _install_keras_next(session)
-    _pytest(session, "tensorflow", *NEXT_TESTS)
+def _pytest(session, backend, *args):
+    session.run(
+        "pytest", *WORKERS, *args,
+        env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
 
 
-@nox.session(name="tests-keras-next-torch", python=PYTHON)
-def tests_keras_next_torch(session):
-    _check_python(session)
-    session.install(TORCH)
-    session.install("-e", ".[torch,test]")
-    session.install(*KERAS_HUB_DEPS)
-    _install_keras_next(session)
-    _pytest(session, "torch", "tests/test_keras_internals.py")
+def _run_tests(session, backend, tests=()):
+    """The tests (`tests`, or those given after `--`, else all) on
+    `backend`. torch runs them twice: the tests that need no mesh (and
+    those that start processes of their own) in one process, then the
+    sharding and training tests under the launcher, 4 processes of one
+    device each."""
+    tests = [*tests, *session.posargs]
+    if backend != "torch":
+        _pytest(session, backend, *tests)
+        return
+    _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes", *tests)
     logs = session.create_tmp()
     session.run(
         "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
         "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
         f"--timeout={TORCH_TEST_TIMEOUT}",
-        "-m", f"({MESH_TESTS}) and not processes",
-        *(session.posargs or NEXT_TESTS),
+        "-m", f"({MESH_TESTS}) and not processes", *tests,
         env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
     )
+
+
+@nox.session(name="tests-jax", python=PYTHON)
+def tests_jax(session):
+    _install(session, "jax")
+    _run_tests(session, "jax")
+
+
+@nox.session(name="tests-tensorflow", python=PYTHON)
+def tests_tensorflow(session):
+    _install(session, "tensorflow")
+    _run_tests(session, "tensorflow")
+
+
+@nox.session(name="tests-torch", python=PYTHON)
+def tests_torch(session):
+    _install(session, "torch")
+    _run_tests(session, "torch")
+
+
+@nox.session(name="tests-keras-next-jax", python=PYTHON)
+def tests_keras_next_jax(session):
+    _install(session, "jax", keras_next=True)
+    _run_tests(session, "jax", NEXT_TESTS)
+
+
+@nox.session(name="tests-keras-next-tensorflow", python=PYTHON)
+def tests_keras_next_tensorflow(session):
+    _install(session, "tensorflow", keras_next=True)
+    _run_tests(session, "tensorflow", NEXT_TESTS)
+
+
+@nox.session(name="tests-keras-next-torch", python=PYTHON)
+def tests_keras_next_torch(session):
+    _install(session, "torch", keras_next=True)
+    _run_tests(session, "torch", NEXT_TESTS)
 
 
 @nox.session(python=PYTHON)
