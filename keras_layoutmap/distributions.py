@@ -82,6 +82,18 @@ class _Resolving:
     def distribute_dataset(self, dataset):
         return dataset
 
+    # Keras 3.16's data adapters deal whole batches out to the processes
+    # (batch i to process i mod n) when `auto_shard_dataset` is set; here
+    # every process reads every batch, as above, and the backend splits the
+    # rows: one shard.
+    @property
+    def num_data_shards(self):
+        return 1
+
+    @property
+    def data_shard_id(self):
+        return 0
+
     def resolve_variable(self, variable):
         """`(source, layout)` for a variable about to be created."""
         object_path, path = weight_keys(variable)

@@ -72,6 +72,8 @@ def install():
         variables.wrap_initialize_with_initializer(
             Variable._initialize_with_initializer))
     Variable._direct_assign = variables.wrap_direct_assign(Variable._direct_assign)
+    if keras_torch.initialize_distributed is not None:  # Keras 3.16
+        Variable._initialize_distributed = variables.keras_placement_off
     convert_to_numpy = placement.wrap_convert_to_numpy(
         keras_torch.convert_to_numpy)
     for module in keras_torch.CONVERT_TO_NUMPY_MODULES:
@@ -83,6 +85,20 @@ def install():
                             ("make_predict_function", "predict_function")):
         setattr(Trainer, name, training.wrap_make_function(
             getattr(Trainer, name), attribute))
+    if keras_torch.initialize_ddp is not None:  # Keras 3.16
+        Trainer._initialize_ddp = training.wrap_initialize_ddp(
+            keras_torch.initialize_ddp)
+    if keras_torch.reduces_metrics:  # Keras 3.16
+        Trainer.get_metrics_result = training.wrap_get_metrics_result(
+            Trainer.get_metrics_result, Trainer)
+    if keras_torch.TorchEpochIterator is not None:  # Keras 3.16
+        keras_torch.TorchEpochIterator._get_iterator = (
+            training.wrap_epoch_iterator(
+                keras_torch.TorchEpochIterator._get_iterator))
+    if keras_torch.gather_non_batch_axes is not None:  # Keras 3.16
+        keras_torch.trainer._gather_non_batch_axes = (
+            training.wrap_gather_non_batch_axes(
+                keras_torch.gather_non_batch_axes))
     Model.__call__ = training.wrap_model_call(Model.__call__)
     keras_torch.random.dropout = random_draws.wrap_dropout(
         keras_torch.random.dropout)

@@ -14,6 +14,9 @@ from keras_layoutmap.keras_internals import modules_holding, optional, private
 
 core = private("keras.src.backend.torch.ops.core", "keras.src.backend.torch.core")
 Variable = core.Variable
+# Keras 3.16 places a variable made under a distribution itself (None on
+# 3.15): by `layout.backend_layout` through Keras' torch distribution_lib.
+initialize_distributed = optional(f"{core.__name__}:Variable._initialize_distributed")
 convert_to_numpy = core.convert_to_numpy
 convert_to_tensor = core.convert_to_tensor
 get_device = core.get_device
@@ -45,6 +48,16 @@ private("keras.src.backend.torch.random:categorical")
 trainer = private("keras.src.backend.torch.trainer")
 Trainer = private("keras.src.backend.torch.trainer:Trainer",
                   "keras.src.backend.torch.trainer:TorchTrainer")
+# Keras 3.16's torch trainer, where it runs its own multi-process paths
+# (None on 3.15, which has none): DDP for `DataParallel` or no distribution,
+# metrics all-reduced over the processes, `ModelParallel` batches placed by
+# the first batch's layout, predictions cut to each process's rows.
+initialize_ddp = optional(f"{Trainer.__module__}:{Trainer.__name__}._initialize_ddp")
+# the torch trainer's own (3.16), not the one every trainer inherits
+reduces_metrics = "get_metrics_result" in vars(Trainer)
+TorchEpochIterator = optional("keras.src.backend.torch.trainer:TorchEpochIterator")
+gather_non_batch_axes = optional(
+    "keras.src.backend.torch.trainer:_gather_non_batch_axes")
 TorchOptimizer = private(
     "keras.src.backend.torch.optimizers.torch_optimizer:TorchOptimizer")
 

@@ -148,3 +148,69 @@ def retrack_parameters(model):
             layer._track_variables()
     local_pieces.forget(model)
 
+
+
+# --- Keras 3.16's own multi-process paths, stood aside on a klm mesh ---------
+
+
+def _holds_dtensors(model):
+    return any(isinstance(getattr(v, "_value", None), DTensor)
+               for v in model.variables)
+
+
+def wrap_initialize_ddp(original):
+    """Keras 3.16 wraps a model in `DistributedDataParallel` when processes
+    run and the distribution is None or a `DataParallel`. On a klm mesh the
+    step already is data parallel (each process's rows, gradients summed
+    over the batch axis): DDP would sum them again, and cannot broadcast
+    DTensor weights. No DDP there, nor for a model whose weights are
+    DTensors (made on a mesh, trained after `set_distribution(None)`)."""
+
+    @functools.wraps(original)
+    def _initialize_ddp(self):
+        if _mesh_distribution() is not None or _holds_dtensors(self):
+            return
+        original(self)
+
+    return _initialize_ddp
+
+
+def wrap_get_metrics_result(original, trainer_class):
+    """Keras 3.16 sums every metric variable over the processes (each held
+    its own rows' counts under DDP). A klm step's metric states already
+    count the global batch: read as they are."""
+
+    @functools.wraps(original)
+    def get_metrics_result(self):
+        if _mesh_distribution() is None:
+            return original(self)
+        return super(trainer_class, self).get_metrics_result()
+
+    return get_metrics_result
+
+
+def wrap_epoch_iterator(original):
+    """Keras 3.16 places `ModelParallel` batches itself, by the layout of
+    the first batch (a short last batch then fails). On a klm mesh the step
+    places each batch (`distribute_batch`): host batches, as on 3.15."""
+
+    @functools.wraps(original)
+    def _get_iterator(self):
+        if _mesh_distribution() is None:
+            return original(self)
+        return self.data_adapter.get_torch_dataloader()
+
+    return _get_iterator
+
+
+def wrap_gather_non_batch_axes(original):
+    """Keras 3.16 cuts a prediction to each process's rows; a klm
+    prediction comes back whole to every process (`_host_outputs`)."""
+
+    @functools.wraps(original)
+    def _gather_non_batch_axes(data):
+        if _mesh_distribution() is None:
+            return original(data)
+        return data
+
+    return _gather_non_batch_axes

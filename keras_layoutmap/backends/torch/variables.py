@@ -122,3 +122,12 @@ def wrap_initialize_with_initializer(original):
         original(self, initializer)
 
     return _initialize_with_initializer
+
+
+def keras_placement_off(self, value):
+    """Keras 3.16's `Variable._initialize_distributed`, stood aside: it
+    would place the variable by Keras' torch distribution_lib; here
+    `_initialize` (above) places it, born sharded where it can be, as on
+    Keras 3.15. None tells Keras to initialize it as a plain variable,
+    which goes through `_initialize`."""
+    return None
