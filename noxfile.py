@@ -1,7 +1,10 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
-`nox` runs lint, the docs site build and the three test sessions. `tests-jax` and
-`tests-tensorflow` run every test in one process (8 virtual devices).
+`nox` runs lint, the docs site build, the three test sessions on the
+supported Keras and the three `tests-keras-next-*` sessions on Keras' next
+release (a subset: `NEXT_TESTS`). pytest runs in as many workers as the
+machine has cores (pytest-xdist, at most 4). `tests-jax` and
+`tests-tensorflow` run every test with 8 virtual devices per worker.
 `tests-torch` runs them twice: the tests that need no mesh (and those that
 start processes of their own) in one process, then every sharding and
 training test under `python -m keras_layoutmap.launch -n 4 -m pytest`, each
@@ -24,10 +27,10 @@ import nox
 # docs is in the default list: it needs no backend (mkdocstrings reads the
 # source), builds in 4 s (13-34 s with a fresh 177 MB venv), and so catches a
 # broken docs link or a public name left out of the API reference every run.
-# The tests-keras-next-* sessions (Keras' next release) are not in the
-# default run: with them `nox` would pass CI's 90 minutes on 2 cores. Run
-# them by name (`nox -s tests-keras-next-jax`).
-nox.options.sessions = ["lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch"]
+nox.options.sessions = [
+    "lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch",
+    "tests-keras-next-jax", "tests-keras-next-tensorflow",
+    "tests-keras-next-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox

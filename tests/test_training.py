@@ -259,7 +259,7 @@ class DigitBatches(keras.utils.PyDataset):
 def _tf_dataset(digits):
     tf = pytest.importorskip(
         "tensorflow", reason="tf.data input needs TensorFlow, which the JAX "
-        "session does not install")
+        "and torch sessions do not install")
     x, y = digits
     return tf.data.Dataset.from_tensor_slices(
         ({"a": x[:, :32], "b": x[:, 32:]}, y)).batch(BATCH)
