@@ -240,6 +240,40 @@ def test_gemma_parity(combined):
 
 @pytest.mark.sharding
 @pytest.mark.training
+def test_sharded_embedding_lookup_with_adam_equals_one_device():
+    """An embedding only looked up (an untied head after it) has a sparse
+    gradient, a row per id; ids repeat within each batch here. Adam squares
+    those rows as one device does (on TensorFlow: before, gathering the
+    FSDP shards made the gradient dense first, and the weights differed
+    from one device's by Adam's whole step, 1e-2, silently)."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(64, 16, name="embedding"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(64, name="head"),
+        ])
+        return compile_classifier(model, keras.optimizers.Adam(1e-2),
+                                  accuracy=False)
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 12, size=(36, 8)).astype("int32")  # ids repeat
+    y = rng.integers(0, 64, size=(36,)).astype("int32")
+    reference = build()
+    ref_history = fit(reference, x, y)
+    layout_map = klm.fsdp(mp_mesh(), axis="batch", min_bytes=0)
+    with layout_map.scope():
+        model = build()
+    embeddings = model.get_layer("embedding").embeddings
+    assert klm.fetch_layout(embeddings).sharding_specs.count("batch") == 1
+    history = fit(model, x, y)
+    assert_parity(model, reference, history, ref_history)
+
+
+@pytest.mark.sharding
+@pytest.mark.training
 def test_min_bytes_zero_shards_every_divisible_weight_batchnorm_included():
     """BatchNormalization's moving statistics, sharded, are read gathered
     and assigned back to their shards."""

@@ -16,6 +16,7 @@ updates the shards it stores; the variable itself never changes layout.
 import contextvars
 import functools
 
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import mesh_distribution
@@ -63,7 +64,41 @@ def gathered(variable, value):
     if axis not in specs:
         return value
     whole = [dtensor.UNSHARDED if s == axis else s for s in specs]
-    return dtensor.relayout(value, dtensor.Layout(whole, layout.mesh))
+    whole = dtensor.Layout(whole, layout.mesh)
+    if not getattr(variable, "trainable", False) or len(specs) < 2:
+        # no gradient, or no table of rows to look up: TF's own gradient
+        return dtensor.relayout(value, whole)
+    return _relayout(value, whole, layout)
+
+
+def _relayout(value, whole, stored):
+    """`dtensor.relayout(value, whole)`, whose gradient goes back to the
+    `stored` layout, a sparse one kept sparse. An embedding's lookup gives
+    a `tf.IndexedSlices` gradient (a row per id looked up, split over the
+    batch axis), and Keras' TensorFlow optimizers treat it as such: Adam
+    squares each looked-up row before the rows of an id are summed. The
+    Relayout op's own gradient makes it dense, summing first: Adam's second
+    moment then differs from one device's wherever an id repeats in a
+    batch, silently (1e-2 after one step of Adam(1e-2) on a keras-hub
+    Gemma with an untied head). So the slices stay slices, their rows and
+    ids gathered whole, as one device holds them."""
+
+    @tf.custom_gradient
+    def relayout(x):  # x holds the `stored` layout
+        def gradient(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                mesh = stored.mesh
+                return tf.IndexedSlices(
+                    dtensor.relayout(dy.values, dtensor.Layout.replicated(
+                        mesh, dy.values.shape.rank)),
+                    dtensor.relayout(dy.indices, dtensor.Layout.replicated(
+                        mesh, dy.indices.shape.rank)),
+                    dy.dense_shape)
+            return dtensor.relayout_like(dy, x)  # the Relayout op's own
+
+        return dtensor.relayout(x, whole), gradient
+
+    return relayout(value)
 
 
 def wrap_value(prop):
