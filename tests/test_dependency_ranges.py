@@ -53,9 +53,11 @@ def test_torch_range_starts_where_the_public_dtensor_api_does():
 def test_nox_pins_the_cpu_builds_it_tests():
     source = noxfile()
     assert re.search(r'^TORCH = "torch==2\.13\.0"', source, re.M)
-    assert '".[tensorflow-cpu,test]"' in source  # not full TensorFlow
-    assert '".[tensorflow,test]"' not in source
-    assert '".[torch,test]"' in source  # the range holds the pinned build
+    # each test session installs the package with its backend's extra
+    assert 'f".[{EXTRA[backend]},test]"' in source
+    assert '"tensorflow": "tensorflow-cpu"' in source  # not full TensorFlow
+    assert '"tensorflow": "tensorflow",' not in source
+    assert '"torch": "torch"' in source  # the range holds the pinned build
 
 
 def test_the_running_backend_is_in_its_extras_range():
