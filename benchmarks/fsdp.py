@@ -61,13 +61,10 @@ from collections import Counter  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from common import StepTimer  # noqa: E402
+from common import GEMMA_CONFIG, StepTimer, build_gemma_lm, gemma_data  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-CONFIG = dict(vocabulary_size=4096, num_layers=4, num_query_heads=4,
-              num_key_value_heads=2, hidden_dim=256, intermediate_dim=2048,
-              head_dim=64)
 MIN_BYTES = 64 * 1024
 BATCH, SEQUENCE = 32, 32
 WARMUP, STEPS = 3, 12
@@ -76,32 +73,13 @@ MB = 1024 * 1024
 
 
 def build_lm():
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(**CONFIG)
-    inputs = {
-        "token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
-        "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask"),
-    }
-    logits = backbone.token_embedding(backbone(inputs), reverse=True)
-    model = keras.Model(inputs, logits, name="gemma_lm")
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    model = build_gemma_lm()
     model.optimizer.build(model.trainable_variables)
     return model
 
 
 def data():
-    rng = np.random.default_rng(0)
-    rows = BATCH * (WARMUP + STEPS)
-    tokens = rng.integers(1, CONFIG["vocabulary_size"],
-                          size=(rows, SEQUENCE + 1)).astype("int32")
-    x = {"token_ids": tokens[:, :-1],
-         "padding_mask": np.ones((rows, SEQUENCE), "int32")}
-    return x, tokens[:, 1:]
+    return gemma_data(BATCH * (WARMUP + STEPS), SEQUENCE)
 
 
 def shard_info(shard):
@@ -172,7 +150,7 @@ def main():
         return
     table = Table(
         title=f"GemmaBackbone ({dp['params'] / 1e6:.2f} M params, "
-        f"{CONFIG['num_layers']} layers, hidden {CONFIG['hidden_dim']}) + "
+        f"{GEMMA_CONFIG['num_layers']} layers, hidden {GEMMA_CONFIG['hidden_dim']}) + "
         f"Adam, {DEVICES} CPU devices, {keras.backend.backend()}; bytes from "
         "klm.unpack shards, busiest device"
     )
