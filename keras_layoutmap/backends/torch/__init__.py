@@ -91,7 +91,9 @@ def install():
     if keras_torch.reduces_metrics:  # Keras 3.16
         Trainer.get_metrics_result = training.wrap_get_metrics_result(
             Trainer.get_metrics_result, Trainer)
-    if keras_torch.TorchEpochIterator is not None:  # Keras 3.16
+    # 3.15's iterator already gives host batches; 3.16's places ModelParallel
+    # ones itself.
+    if keras_torch.TorchEpochIterator is not None:
         keras_torch.TorchEpochIterator._get_iterator = (
             training.wrap_epoch_iterator(
                 keras_torch.TorchEpochIterator._get_iterator))

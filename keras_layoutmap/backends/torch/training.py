@@ -149,7 +149,6 @@ def retrack_parameters(model):
     local_pieces.forget(model)
 
 
-
 # --- Keras 3.16's own multi-process paths, stood aside on a klm mesh ---------
 
 
