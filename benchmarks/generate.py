@@ -15,8 +15,9 @@ JAX one device 12534 tokens/s, ModelParallel 781 (0.06), plain Keras on
 the same mesh 1265 (klm / plain 0.62, ids identical); TensorFlow one device
 765, ModelParallel 72 (0.09). Tiny model on virtual CPU devices: the mesh's
 collectives dominate; the figures say what the plugin costs, not what a
-sharded model gains on accelerators. torch: generate() runs under
-ModelParallel now (tests/test_torch_generate.py); not yet measured here.
+sharded model gains on accelerators. torch (4 processes, a (2, 2) mesh,
+one run on a quiet machine, 2026-11-24): one device 254.7 tokens/s,
+ModelParallel 40.7 (0.16), ids identical.
 
 Run: KERAS_BACKEND=jax python benchmarks/generate.py
      KERAS_BACKEND=tensorflow python benchmarks/generate.py
