@@ -68,12 +68,12 @@ def gathered(variable, value):
     if not getattr(variable, "trainable", False) or len(specs) < 2:
         # no gradient, or no table of rows to look up: TF's own gradient
         return dtensor.relayout(value, whole)
-    return _relayout(value, whole, layout)
+    return _relayout(value, whole)
 
 
-def _relayout(value, whole, stored):
-    """`dtensor.relayout(value, whole)`, whose gradient goes back to the
-    `stored` layout, a sparse one kept sparse. An embedding's lookup gives
+def _relayout(value, whole):
+    """`dtensor.relayout(value, whole)`, whose gradient goes back to
+    `value`'s layout, a sparse one kept sparse. An embedding's lookup gives
     a `tf.IndexedSlices` gradient (a row per id looked up, split over the
     batch axis), and Keras' TensorFlow optimizers treat it as such: Adam
     squares each looked-up row before the rows of an id are summed. The
@@ -84,10 +84,10 @@ def _relayout(value, whole, stored):
     ids gathered whole, as one device holds them."""
 
     @tf.custom_gradient
-    def relayout(x):  # x holds the `stored` layout
+    def relayout(x):
         def gradient(dy):
             if isinstance(dy, tf.IndexedSlices):
-                mesh = stored.mesh
+                mesh = whole.mesh
                 return tf.IndexedSlices(
                     dtensor.relayout(dy.values, dtensor.Layout.replicated(
                         mesh, dy.values.shape.rank)),
