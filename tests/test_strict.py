@@ -4,6 +4,7 @@ when a scope exits with a built model, else before the model trains."""
 
 import doctest
 import json
+import os
 
 import keras
 import numpy as np
@@ -273,7 +274,12 @@ def test_creation_error_explain_and_cli_report_the_same_finding(
     report = strict_map(mesh).explain(functional())
     assert at_creation in report.findings
     assert f"  - {at_creation.message}" in report.render(width=400)
-    # `klm explain --strict`, on a planning mesh of the same shape.
+    # `klm explain --strict`, on a planning mesh of the same shape. Under
+    # torch's launcher every rank shares `tmp_path` (conftest.py) and runs
+    # the CLI for itself: each writes and imports its own files, or one
+    # rank imports the module while another is still writing it.
+    tmp_path = tmp_path / f"process-{os.getpid()}"
+    tmp_path.mkdir()
     (tmp_path / "strict_builders.py").write_text(
         "import keras\n\ndef model():\n    inputs = keras.Input((16,))\n"
         "    x = keras.layers.Dense(16, name='d1')(inputs)\n"
