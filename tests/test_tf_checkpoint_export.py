@@ -159,8 +159,8 @@ def test_layouts_dtensor_cannot_run_get_a_clear_error(data):
     x, y = data
     mesh = klm.create_mesh([("batch", 4), ("model", 2)])
     lm = klm.LayoutMap(mesh)
-    lm[r"d1\.bias"] = ("model",)  # d1's output columns on `model` ...
-    lm[r"d2\.kernel"] = ("batch", None)  # ... d2's rows on `batch`
+    lm["d1/output"] = (None, "batch")  # d1's output columns on `batch` ...
+    lm[r"d2\.kernel"] = ("model", None)  # ... d2's rows on `model`
     with lm.scope():
         model = build()
     with pytest.raises(ValueError, match=r"DTensor cannot run a step of model 'mlp'"

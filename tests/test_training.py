@@ -113,6 +113,32 @@ def test_model_parallel_matches_single_device(digits, single):
     assert ev["accuracy"] == pytest.approx(ev_single["accuracy"], abs=1e-7)
 
 
+def test_kernels_sharded_over_the_batch_axis_match_single_device(digits, single):
+    """Kernels stored split over the batch axis too, as keras-hub's
+    `get_layout_map` recipes store them (Keras' own classes, no FSDP
+    policy): equal to one device, short batch included, the storage still
+    split so after `fit`. DTensor refuses these matmuls as they stand; the
+    TensorFlow backend gathers such a kernel for its layer's call."""
+    mesh = mp_mesh()
+    keras_mesh = keras.distribution.DeviceMesh(
+        mesh.shape, mesh.axis_names, devices=keras.distribution.list_devices())
+    lm = keras.distribution.LayoutMap(keras_mesh)
+    lm["d1/kernel"] = ("batch", "model")
+    lm["d1/bias"] = ("model",)
+    lm["d2/kernel"] = ("batch", "model")  # contracts d1's `model` columns
+    lm["d3/kernel"] = ("model", None)
+    with keras.distribution.ModelParallel(layout_map=lm,
+                                          batch_dim_name="batch").scope():
+        model = build()
+        history = train(model, digits)
+    assert_same_history(history, single[1])
+    assert_same_weights(weights(model), weights(single[0]))
+    for name, axes in [("d1", ("batch", "model")), ("d2", ("batch", "model")),
+                       ("d3", ("model", None))]:
+        kernel = model.get_layer(name).kernel
+        assert tuple(klm.fetch_layout(kernel).axes) == axes, name
+
+
 def test_short_batch_loss_and_gradients_exact(digits):
     """A 29-row batch on the whole batch axis (8 or 4 devices, neither
     divides 29): one step, compared directly."""

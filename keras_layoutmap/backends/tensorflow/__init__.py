@@ -19,6 +19,8 @@ multi-client). This module is the backend interface (see
 
 import os
 
+import keras
+
 from keras_layoutmap.backends.tensorflow import (
     export,
     gather,
@@ -111,5 +113,9 @@ def install():
     Variable.value = gather.wrap_value(Variable.value)
     Variable.handle = property(gather.handle)
     Model.__call__ = gather.wrap_model_call(Model.__call__)
+    # ... and while a Dense or EinsumDense whose kernel is sharded over the
+    # batch axis computes (keras-hub's recipes store kernels so).
+    for layer in (keras.layers.Dense, keras.layers.EinsumDense):
+        layer.call = gather.wrap_dense_call(layer.call)
 
 

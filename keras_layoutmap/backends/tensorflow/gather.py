@@ -11,15 +11,21 @@ conversion of a Keras variable goes through) is `dtensor.relayout` to the
 same layout with that axis unsharded. The relayout's gradient relayouts the
 gradient back to the variable's layout (a reduce-scatter), so the optimizer
 updates the shards it stores; the variable itself never changes layout.
+
+Without an FSDP axis, the same gather runs for the span of one `Dense` or
+`EinsumDense` call whose kernel is sharded over the batch axis: keras-hub's
+`get_layout_map` recipes store kernels that way (`wrap_dense_call`).
 """
 
 import contextvars
 import functools
+import re
 
+import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow.placement import mesh_distribution
+from keras_layoutmap.backends.tensorflow.placement import is_dtensor, mesh_distribution
 
 # The mesh axis to gather weights over while a model's call runs; None
 # outside one (the optimizer's update, metrics) or with no FSDP axis.
@@ -51,14 +57,115 @@ def wrap_model_call(original):
     return __call__
 
 
+def _stored_layout(variable):
+    """The DTensor layout a Keras variable is stored with, or None."""
+    layout = getattr(getattr(variable, "_value", None), "layout", None)
+    return layout if isinstance(layout, dtensor.Layout) else None
+
+
+def _input_specs(layer, rank, kernel_specs):
+    """The layout, per dimension, to give the input of `layer` (a Dense or
+    EinsumDense of `rank`-dimensional inputs) whose kernel is laid out as
+    `kernel_specs`: a dimension the kernel contracts takes the kernel's
+    sharding of it, the first (the batch rows) stays as it is
+    (`dtensor.MATCH`, which DTensor allows on one dimension only), any
+    other is unsharded. None where the equation is not understood."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        match = re.fullmatch(r"([a-z.]*),([a-z.]*)->[a-z.]*",
+                             layer.equation.replace(" ", ""))
+        if match is None or "." in match.group(2):
+            return None
+        letters, kernel = match.groups()
+        if "..." in letters:
+            if letters.count("...") > 1 or "." in letters.replace("...", ""):
+                return None
+            fill = rank - (len(letters) - 3)
+            if fill < 0:
+                return None
+            letters = letters.replace("...", "*" * fill)
+    else:  # Dense: `...i,io->...o`
+        letters, kernel = "*" * (rank - 1) + "i", "io"
+    if len(letters) != rank or len(kernel) != len(kernel_specs):
+        return None
+    specs = []
+    for i, letter in enumerate(letters):
+        if letter in kernel:
+            specs.append(kernel_specs[kernel.index(letter)])
+        else:
+            specs.append(dtensor.MATCH if i == 0 else dtensor.UNSHARDED)
+    return specs
+
+
+def _relayout_input(x, specs, mesh):
+    """`x` laid out as `specs`. A move from one mesh axis to another goes
+    through unsharded: DTensor's relayout shards or unshards, it does not
+    move an axis. The gradient passes through as it is, its layout left to
+    DTensor: forced back to `x`'s (the Relayout op's own gradient), it can
+    contradict the layout DTensor propagates to it (a LoRA-tuned Llama)."""
+    whole = [s if s == dtensor.MATCH else dtensor.UNSHARDED for s in specs]
+
+    @tf.custom_gradient
+    def relayout(x):
+        y = dtensor.relayout(x, dtensor.Layout(whole, mesh))
+        if whole != specs:
+            y = dtensor.relayout(y, dtensor.Layout(specs, mesh))
+        return y, lambda dy: dy
+
+    return relayout(x)
+
+
+def wrap_dense_call(original):
+    """`Dense.call` / `EinsumDense.call` under a kernel sharded over the
+    batch axis, as keras-hub's `get_layout_map` recipes shard Llama's and
+    Qwen's attention and MLP kernels (the hidden dimension over `batch`)
+    for FSDP-style storage.
+
+    DTensor's matmul refuses a contracting dimension sharded on different
+    mesh axes in its operands, or an output needing the batch axis twice
+    (the batch rows and a kernel dimension); JAX's compiler gathers
+    instead. So does this: for the span of the call, each read of a weight
+    sharded over the batch axis is gathered over it (as `klm.fsdp` does for
+    a whole model; the gradient goes back to the stored shards), and the
+    input's contracted dimensions are laid out as the gathered kernel's.
+    The relayouts anchor the activations: DTensor propagates layouts
+    through the whole step, gradients included, and would otherwise carry
+    the kernel's batch sharding onto them."""
+
+    @functools.wraps(original)
+    def call(self, inputs, *args, **kwargs):
+        dist = mesh_distribution()
+        axis = getattr(dist, "batch_dim_name", None)
+        layout = _stored_layout(getattr(self, "_kernel", None))
+        if (axis is None or layout is None or _GATHER_AXIS.get() is not None
+                or axis not in layout.sharding_specs):
+            return original(self, inputs, *args, **kwargs)
+        kernel_specs = [dtensor.UNSHARDED if s == axis else s
+                        for s in layout.sharding_specs]
+        token = _GATHER_AXIS.set(axis)
+        try:
+            # Eagerly, only a DTensor has a layout to set; inside a
+            # tf.function under a mesh distribution every input is one.
+            on_mesh = tf.is_tensor(inputs) and (
+                not tf.executing_eagerly() or is_dtensor(inputs))
+            rank = inputs.shape.rank if on_mesh else None
+            specs = _input_specs(self, rank, kernel_specs) if rank else None
+            if specs is not None:
+                inputs = _relayout_input(inputs, specs, layout.mesh)
+            return original(self, inputs, *args, **kwargs)
+        finally:
+            _GATHER_AXIS.reset(token)
+
+    return call
+
+
 def gathered(variable, value):
     """`value` (what `variable.value` read) relayouted with the FSDP axis
     unsharded, while a model call gathers; else `value` itself."""
     axis = _GATHER_AXIS.get()
     if axis is None:
         return value
-    layout = getattr(getattr(variable, "_value", None), "layout", None)
-    if not isinstance(layout, dtensor.Layout):  # not a DVariable
+    layout = _stored_layout(variable)
+    if layout is None:  # not a DVariable
         return value
     specs = list(layout.sharding_specs)
     if axis not in specs:

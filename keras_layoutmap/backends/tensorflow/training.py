@@ -182,9 +182,14 @@ def wrap_make_function(original):
                 return keras_function(iterator)
             if "step" not in compiled:
                 # No XLA: DTensor expands the function to every device itself.
+                # A trace per batch shape (the full one, the short last one),
+                # not one relaxed to an unknown batch size: DTensor lays out
+                # a step from its shapes, and with an unknown batch dimension
+                # it chose layouts its own Transpose then refused (a
+                # keras-hub Gemma under its recipe, on the short batch).
                 compiled["step"] = (
                     step_function if self.run_eagerly
-                    else tf.function(step_function, reduce_retracing=True))
+                    else tf.function(step_function, reduce_retracing=False))
             batches = _PackedBatches(iterator, dist)
             outputs = None
             for _ in range(self.steps_per_execution):
