@@ -31,28 +31,6 @@ ARCHS = {
         vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
         num_key_value_heads=4, hidden_dim=16, intermediate_dim=32)),
 }
-# Known failures, strict: each flips to a failure when fixed.
-TF_CONTRACTING = (
-    "TensorFlow DTensor: the recipe's rules shard the contracting dimension of "
-    "a matmul on 'batch' in one operand and 'model' in the other (Llama's and "
-    "Qwen's attention/MLP path), which DTensor's SPMD expansion refuses: "
-    "klm's clear ValueError from the train step")
-KNOWN = {
-    ("tensorflow", "fit", "llama"): TF_CONTRACTING,
-    ("tensorflow", "fit", "qwen"): TF_CONTRACTING,
-    ("tensorflow", "lora", "llama"): TF_CONTRACTING,
-    ("tensorflow", "lora", "qwen"): TF_CONTRACTING,
-}
-
-
-def archs(test):
-    """The architectures, a known failure on this backend marked xfail."""
-    return [pytest.param(arch, marks=pytest.mark.xfail(
-                strict=True, reason=KNOWN[BACKEND, test, arch]))
-            if (BACKEND, test, arch) in KNOWN else arch
-            for arch in sorted(ARCHS)]
-
-
 BATCH = 8  # prompts and training rows: the batch axis divides it
 LENGTH = 8
 PROMPT = 3
@@ -89,10 +67,10 @@ def train_data():
     return x, tokens[:, 1:]
 
 
-def prompts():
+def prompts(rows=BATCH):
     rng = np.random.default_rng(1)
-    tokens = rng.integers(1, VOCAB, size=(BATCH, LENGTH)).astype("int32")
-    mask = np.zeros((BATCH, LENGTH), bool)
+    tokens = rng.integers(1, VOCAB, size=(rows, LENGTH)).astype("int32")
+    mask = np.zeros((rows, LENGTH), bool)
     mask[:, :PROMPT] = True
     return {"token_ids": np.where(mask, tokens, 0), "padding_mask": mask}
 
@@ -114,9 +92,9 @@ def fit(lm):
                verbose=0).history
 
 
-def generate(lm, sampler):
+def generate(lm, sampler, rows=BATCH):
     lm.compile(sampler=sampler)
-    out = lm.generate(prompts(), stop_token_ids=None)
+    out = lm.generate(prompts(rows), stop_token_ids=None)
     return np.asarray(out["token_ids"])
 
 
@@ -158,7 +136,7 @@ def one_device(arch):
     return lm, history, greedy, top_k
 
 
-@pytest.mark.parametrize("arch", archs("fit"))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_fit_and_generate_equal_one_device(arch, no_distribution):
     """`fit`, then `generate()` greedy (ids identical) and with a seeded
     top-k sampler (ids identical; on TensorFlow a clear error: DTensor has
@@ -185,7 +163,19 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
     assert (greedy[:, PROMPT:] != 0).any()  # it generated
 
 
-@pytest.mark.parametrize("arch", archs("lora"))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_generate_a_batch_the_batch_axis_does_not_divide(arch, no_distribution):
+    """Three prompts on a batch axis of 2 (torch) or 4: computed whole on
+    every device, the ids identical to one device's."""
+    expected = generate(build(arch), "greedy", rows=3)
+    with keras_model_parallel(arch).scope():
+        lm = build(arch)
+        got = generate(lm, "greedy", rows=3)
+    np.testing.assert_array_equal(got, expected)
+    assert (got[:, PROMPT:] != 0).any()  # it generated
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_lora_fit_equal_one_device(arch, no_distribution):
     """`backbone.enable_lora(rank)` then `fit`: the frozen weights are
     bit-identical to before, the LoRA weights equal one device's."""

@@ -10,6 +10,8 @@ Keras' own steps. This module is the backend interface (see
 
 import logging
 
+import keras
+
 from keras_layoutmap.backends.torch import (
     attention,
     cache_updates,
@@ -21,6 +23,7 @@ from keras_layoutmap.backends.torch import (
     random_draws,
     training,
     variables,
+    whole_batch,
 )
 from keras_layoutmap.backends.torch import keras_internals as keras_torch
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
@@ -122,3 +125,7 @@ def install():
             getattr(keras_torch.nn, name), kernels, split, data_format))
     Optimizer = keras_torch.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)
+    # A batch the batch axis does not divide, through kernels split over it.
+    Variable.value = whole_batch.wrap_value(Variable.value)
+    for layer in (keras.layers.Dense, keras.layers.EinsumDense):
+        layer.call = whole_batch.wrap_layer_call(layer.call)
