@@ -66,6 +66,13 @@ def mp_mesh(axis="model", width=2):
     return klm.create_mesh([("batch", DEVICES // width), (axis, width)])
 
 
+def keras_mesh(mesh):
+    """`mesh` as Keras' own `keras.distribution.DeviceMesh`, as a user of
+    the Keras distribution guide writes it."""
+    return keras.distribution.DeviceMesh(
+        mesh.shape, mesh.axis_names, devices=keras.distribution.list_devices())
+
+
 def fake_mesh(dims):
     """A mesh over named (not real) devices: enough for rules, layouts and
     explain, which never place a tensor."""

@@ -9,7 +9,7 @@ regex, a mesh that is not every device."""
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES, SPANS_PROCESSES
+from helpers import DEVICES, SPANS_PROCESSES, keras_mesh, mp_mesh
 from sklearn.datasets import load_digits
 
 import keras_layoutmap as klm
@@ -62,17 +62,12 @@ def build(kind):
     return model, model.get_layer("probe")
 
 
-def mp_mesh():
-    return klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
-
-
 def distribution_with(rule, layout, flavour):
     """A `ModelParallel` with one output rule, written for klm's map or
     for Keras' own (`keras.distribution.LayoutMap`, `re.search`)."""
     mesh = mp_mesh()
     if flavour == "keras":
-        lm = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
-            mesh.shape, mesh.axis_names, devices=klm.list_devices()))
+        lm = keras.distribution.LayoutMap(keras_mesh(mesh))
         lm[rule] = layout
         return keras.distribution.ModelParallel(layout_map=lm,
                                                 batch_dim_name="batch")
@@ -186,8 +181,7 @@ def test_fit_and_short_predict_with_an_output_rule_equal_one_device(
         digits, output):
     single = train(digits_model(), digits)
     mesh = mp_mesh()
-    lm = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
-        mesh.shape, mesh.axis_names, devices=klm.list_devices()))
+    lm = keras.distribution.LayoutMap(keras_mesh(mesh))
     lm["d1/kernel"] = (None, "model")
     lm["d1/output"] = output
     with keras.distribution.ModelParallel(

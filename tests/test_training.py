@@ -10,6 +10,7 @@ from helpers import (
     compile_classifier,
     digits_data,
     dp_mesh,
+    keras_mesh,
     mp_mesh,
     net_layout_map,
     sequential_mlp,
@@ -119,10 +120,7 @@ def test_kernels_sharded_over_the_batch_axis_match_single_device(digits, single)
     policy): equal to one device, short batch included, the storage still
     split so after `fit`. DTensor refuses these matmuls as they stand; the
     TensorFlow backend gathers such a kernel for its layer's call."""
-    mesh = mp_mesh()
-    keras_mesh = keras.distribution.DeviceMesh(
-        mesh.shape, mesh.axis_names, devices=keras.distribution.list_devices())
-    lm = keras.distribution.LayoutMap(keras_mesh)
+    lm = keras.distribution.LayoutMap(keras_mesh(mp_mesh()))
     lm["d1/kernel"] = ("batch", "model")
     lm["d1/bias"] = ("model",)
     lm["d2/kernel"] = ("batch", "model")  # contracts d1's `model` columns
