@@ -118,11 +118,12 @@ def digits_data(rows=None, labels="int32"):
 def compile_classifier(model, optimizer=None, loss=None, accuracy=True, **kwargs):
     """`model.compile` as the tests train a classifier of logits: Adam(0.01)
     unless `optimizer`, sparse categorical cross-entropy unless `loss`,
-    accuracy as the metric unless not `accuracy`; `kwargs` go to compile."""
+    accuracy as the metric unless not `accuracy` (or `metrics` given);
+    `kwargs` go to compile."""
+    kwargs.setdefault("metrics", ["accuracy"] if accuracy else None)
     model.compile(
         optimizer=optimizer or keras.optimizers.Adam(0.01),
         loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"] if accuracy else None,
         **kwargs,
     )
     return model

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch import local_pieces, local_step
 from keras_layoutmap.backends.torch.placement import to_layout
 from keras_layoutmap.layout import as_layout
 
@@ -119,6 +119,13 @@ def wrap_apply(original):
                      else getattr(self, "_trainable_variables", None))
         if variables is None or local_pieces.APPLYING[0]:
             return original(self, grads, trainable_variables)
+        if local_step.stepping():  # in a local step's scope: sum, then update
+            local_pieces.APPLYING[0] = True
+            try:
+                return original(self, local_step.reduce_gradients(grads),
+                                trainable_variables)
+            finally:
+                local_pieces.APPLYING[0] = False
         pairs = list(zip(grads, variables))
         mesh = local_pieces.replicated_update_mesh(self, variables)
         if mesh is not None:

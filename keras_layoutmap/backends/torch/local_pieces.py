@@ -16,6 +16,10 @@ decides it op by op, in Python, at many times the cost of a small op. So:
   replicated runs on each process's local copies: every process holds the
   same numbers and does the same arithmetic.
 
+In `fit`, where the loss is a mean over rows and the metrics are sums,
+`local_step` goes further and runs Keras' whole training step on plain
+tensors; it relies on this module's decision for the model call.
+
 A call is local only where that gives DTensor's numbers. This is checked
 once per model and input signature (shapes, dtypes, placements, flags) by a
 trial call on DTensors, with no gradients and no state kept, under DTensor's
@@ -64,7 +68,7 @@ class _Plan:
     """How a model call with one input signature runs locally."""
 
     __slots__ = ("mesh", "placements", "grad_placements", "rows",
-                 "variables", "values", "trial")
+                 "variables", "values", "trial", "masked")
 
     def __init__(self, mesh, placements, rows, variables):
         self.mesh = mesh
@@ -80,6 +84,7 @@ class _Plan:
         # The trial's outputs (this process's pieces), which the first
         # local call must equal; None once it did.
         self.trial = None
+        self.masked = False  # the outputs carry Keras masks
 
     def still_holds(self):
         """The variables hold the values the plan was made for (a moved
@@ -98,7 +103,7 @@ def _row_placements(x):
     return None
 
 
-def _signature(args, kwargs):
+def signature(args, kwargs):
     """What the decision depends on, hashable; None when a leaf is neither
     a DTensor nor a plain Python value."""
     key = [len(args), tuple(sorted(kwargs))]
@@ -139,7 +144,7 @@ def _local_plan(model, original, args, kwargs):
     if trial is None:
         return None
     plan = _Plan(first.device_mesh, places, first.shape[0], variables)
-    plan.trial = trial
+    plan.trial, plan.masked = trial
     return plan
 
 
@@ -161,7 +166,7 @@ def _trial(model, original, args, kwargs, places, rows):
     """Call the model on DTensors with nothing kept (no gradients, no
     assignments, the random generator restored). When nothing in the call
     looked across rows or changed state: this process's pieces of its
-    outputs (and their masks); else None."""
+    outputs (and their masks), and whether there were masks; else None."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
     except ImportError:  # another torch: no check, so no fast path
@@ -184,7 +189,9 @@ def _trial(model, original, args, kwargs, places, rows):
     leaves = _with_masks(outputs)
     if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
                       and x.ndim > 0 and x.shape[0] == rows for x in leaves):
-        return [x.to_local() for x in leaves]
+        masked = len(leaves) != len([x for x in tree.flatten(outputs)
+                                     if x is not None])
+        return [x.to_local() for x in leaves], masked
     return None
 
 
@@ -209,7 +216,7 @@ def _with_masks(outputs):
 
 def _plan_for(model, original, args, kwargs):
     """The call's signature and its `_Plan` (None: not local)."""
-    key = _signature(args, kwargs)
+    key = signature(args, kwargs)
     if key is None:
         return key, None
     plans = _PLANS.setdefault(model, {})
@@ -219,6 +226,13 @@ def _plan_for(model, original, args, kwargs):
     if plan is NOT_LOCAL or (plan is not None and not plan.still_holds()):
         plan = plans[key] = _local_plan(model, original, args, kwargs)
     return key, plan
+
+
+def plan_of(model, key):
+    """The `_Plan` made for the model's calls with signature `key`, if they
+    run locally and the model's variables did not move since; else None."""
+    plan = _PLANS.get(model, {}).get(key)
+    return plan if plan is not None and plan.still_holds() else None
 
 
 def forget(model):

@@ -3,7 +3,9 @@
 Each batch becomes DTensors by the distribution's data layout for that
 batch's shape, Keras' own step runs on them (DTensor inserts the
 collectives; a model whose weights are all replicated runs its layers on
-each process's rows instead: `local_pieces`), gradients are laid out like
+each process's rows instead: `local_pieces`, and where its loss is a mean
+over rows and its metrics sums, all of Keras' training step does, with one
+all-reduce: `local_step`), gradients are laid out like
 their weights before the optimizer applies them (`gradients`), and what a
 step returns (metrics, predictions) comes back whole to every process.
 
@@ -18,7 +20,7 @@ from keras import distribution as keras_distribution
 from keras import tree
 from torch.distributed.tensor import DTensor, Partial
 
-from keras_layoutmap.backends.torch import local_pieces, processes
+from keras_layoutmap.backends.torch import local_pieces, local_step, processes
 from keras_layoutmap.backends.torch.gradients import summed
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
@@ -129,6 +131,10 @@ def wrap_make_function(original, attribute):
             data = [distribute_batch(batch, dist) for batch in data]
             _IN_STEP[0] = True
             try:
+                if attribute == "train_function" and len(data) == 1:
+                    local = local_step.prepare(self, data[0])
+                    if local is not None:
+                        return _host_outputs(local_step.run(self, local, data[0]))
                 return _host_outputs(step(data))
             finally:
                 _IN_STEP[0] = False

@@ -1,0 +1,296 @@
+"""Keras' own training step on each process's rows, with plain tensors.
+
+Where a data-parallel step qualifies (below), `fit` runs Keras' own
+`train_step` on this process's pieces of the batch, under a
+`keras.StatelessScope` that maps every model, optimizer and metric variable
+to a plain local tensor: the forward pass, the loss, the backward pass and
+the optimizer's update are torch's own ops, with no DTensor in between.
+Then, as `DistributedDataParallel` does:
+
+- **gradients**: each process's gradient of its rows' loss, scaled by its
+  share of the rows, is summed over the processes that split the batch in
+  one all-reduce per dtype (`reduce_gradients`, from `optimizer.apply`),
+  before the optimizer's update, which every process then makes alike;
+- **metrics**: every metric variable starts the step at zero, so what the
+  step leaves in it is this process's increment; the increments are summed
+  over the same processes in one all-reduce and added to the variables.
+
+This gives one device's numbers (to float rounding: sums taken in another
+order) only where the loss is a mean over rows and the metrics are sums
+over rows. So a step is local only when all of this holds, else it runs on
+DTensors as before (`training.wrap_make_function`):
+
+- the model's `train_step`, `compute_loss`, `compute_metrics` and
+  `get_metrics_result` are Keras' own, and it is not `jit_compile`d;
+- the model call for the batch's inputs runs locally (`local_pieces`: all
+  weights replicated, no batch statistics, no random draws, no added loss)
+  and returns no mask, and a step with these inputs ran before (so the
+  optimizer, the compiled loss and the metrics are built);
+- every compiled loss is one of Keras' own with a mean over the batch
+  (`sum_over_batch_size`); the model adds no loss (`model.losses` empty);
+- every compiled metric is one of Keras' own classes (a function metric:
+  one of Keras' own functions), each a sum over rows;
+- the optimizer's and the metrics' variables are replicated on the mesh;
+- x, y and sample weights are split by rows alike, and every process has
+  at least one row.
+
+`KLM_TORCH_LOCAL_PIECES=0` turns this off with the rest of the fast path.
+"""
+
+import math
+import weakref
+
+import torch
+from keras import tree
+from keras.utils import unpack_x_y_sample_weight
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch.keras_internals import Trainer
+from keras_layoutmap.keras_internals import StatelessScope
+
+_STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
+_KERAS_METHODS = ("train_step", "compute_loss", "_compute_loss",
+                  "compute_metrics", "get_metrics_result")
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_STEPS = weakref.WeakKeyDictionary()  # model -> {plan key: local steps run}
+
+
+class _Step:
+    """How one local step sums over processes."""
+
+    __slots__ = ("groups", "scale", "metric_variables", "scope", "summed")
+
+    def __init__(self, groups, scale, metric_variables):
+        self.groups = groups  # process groups of the mesh dims that split rows
+        self.scale = scale  # this process's rows / the global batch's rows
+        self.metric_variables = metric_variables
+        self.scope = None  # the step's StatelessScope, once it runs
+        # {id(metric variable): (its increment, summed)} summed with the
+        # gradients
+        self.summed = {}
+
+
+def _keras_own(obj):
+    return type(obj).__module__.startswith("keras.src.")
+
+
+def _keras_function(fn):
+    return getattr(fn, "__module__", "").startswith("keras.src.")
+
+
+def _mean_loss(loss):
+    """A compiled loss that is one of Keras' own means over the batch."""
+    if not _keras_own(loss) or getattr(loss, "reduction", None) not in _MEAN_REDUCTIONS:
+        return False
+    fn = getattr(loss, "fn", None)
+    return fn is None or _keras_function(fn)
+
+
+def _losses_are_row_means(model):
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None or not getattr(compiled, "built", False):
+        return False
+    flat = getattr(compiled, "_flat_losses", None)
+    if not flat:
+        return False
+    return all(_mean_loss(entry[1]) for entry in flat)
+
+
+def _metrics_are_row_sums(model):
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None:
+        return True
+    if not getattr(compiled, "built", False):
+        return False
+    for metric in compiled.metrics:
+        if not _keras_own(metric):
+            return False
+        fn = getattr(metric, "_fn", None)
+        if fn is not None and not _keras_function(fn):
+            return False
+    return True
+
+
+def _is_replicated_on(value, mesh):
+    return (isinstance(value, DTensor) and value.device_mesh == mesh
+            and all(isinstance(p, Replicate) for p in value.placements))
+
+
+def _smallest_piece(rows, placements, mesh):
+    """The fewest rows any process holds of `rows` split by `placements`
+    (None: split over more than one mesh dim)."""
+    sizes = [mesh.size(dim) for dim, p in enumerate(placements)
+             if isinstance(p, Shard)]
+    if not sizes:
+        return rows
+    if len(sizes) > 1:
+        return None
+    # torch's Shard: pieces of ceil(rows / n) rows, the last ones shorter.
+    n = sizes[0]
+    chunk = math.ceil(rows / n)
+    return max(0, rows - (n - 1) * chunk)
+
+
+def prepare(model, batch):
+    """A `_Step` when this batch's training step may run locally, else None."""
+    if not local_pieces.ENABLED or getattr(model, "jit_compile", False) is True:
+        return None
+    if any(getattr(type(model), name, None) is not getattr(Trainer, name, None)
+           for name in _KERAS_METHODS):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built or not model.trainable_variables:
+        return None
+    x, y, sample_weight = unpack_x_y_sample_weight(batch)
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    key = local_pieces.signature((x,), kwargs)
+    steps = _STEPS.setdefault(model, {})
+    if key not in steps:  # the first step with these inputs builds what it needs
+        steps[key] = 0
+        return None
+    plan = local_pieces.plan_of(model, key)
+    if plan is None or plan.trial is not None or plan.masked:
+        return None
+    for leaf in tree.flatten((y, sample_weight)):
+        if leaf is None:
+            continue
+        if not (isinstance(leaf, DTensor) and leaf.device_mesh == plan.mesh
+                and tuple(leaf.placements) == plan.placements
+                and leaf.ndim > 0 and leaf.shape[0] == plan.rows):
+            return None
+    if not _smallest_piece(plan.rows, plan.placements, plan.mesh):
+        return None
+    if model.losses or not _losses_are_row_means(model) or not (
+            _metrics_are_row_sums(model)):
+        return None
+    metric_variables = [v for m in model.metrics for v in m.variables]
+    if not all(_is_replicated_on(v._value, plan.mesh)
+               for v in (*optimizer.variables, *metric_variables)):
+        return None
+    groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
+              if isinstance(p, Shard)]
+    local_rows = next(leaf for leaf in tree.flatten(x)
+                      if isinstance(leaf, DTensor))._local_tensor.shape[0]
+    steps[key] += 1
+    return _Step(groups, local_rows / plan.rows, metric_variables)
+
+
+def _local(x):
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _sum_over(tensors, groups, scale=1.0, scaled=None):
+    """`tensors` (plain, one dtype) summed over `groups` in one all-reduce
+    per group for all of them, the first `scaled` of them (all by default)
+    multiplied by `scale` first."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if scale != 1.0:
+        count = sum(t.numel() for t in tensors[:scaled])
+        flat[:count].mul_(scale)
+    for group in groups:
+        torch.distributed.all_reduce(flat, group=group)
+    result, start = [], 0
+    for t in tensors:
+        result.append(flat[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return result
+
+
+def stepping():
+    """True while a local step's optimizer update is to come."""
+    return _STEPPING[0] is not None
+
+
+def reduce_gradients(grads):
+    """This process's gradients (of its rows' mean loss) as the global
+    batch's: scaled by its share of the rows, summed over the processes.
+
+    The metric increments the step made so far (the loss tracker's) are
+    summed in the same all-reduce where their dtype is the gradients'."""
+    step = _STEPPING[0]
+    present = [i for i, g in enumerate(grads) if g is not None]
+    result = list(grads)
+    by_dtype = {}
+    for i in present:
+        by_dtype.setdefault(grads[i].dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        counted = [v for v in step.metric_variables
+                   if step.scope.state_mapping[id(v)].dtype == dtype
+                   and id(v) not in step.summed]
+        increments = [step.scope.state_mapping[id(v)] for v in counted]
+        summed = _sum_over([grads[i].detach() for i in indices] + increments,
+                           step.groups, step.scale, len(indices))
+        for i, g in zip(indices, summed):
+            result[i] = g
+        for variable, increment, total in zip(
+                counted, increments, summed[len(indices):]):
+            step.summed[id(variable)] = (increment, total)
+    return result
+
+
+def _metric_sums(step):
+    """{id(variable): this step's increment summed over the processes} for
+    every metric variable: the ones summed with the gradients, where the
+    step did not change them after, and the others in one all-reduce per
+    dtype."""
+    found, rest = {}, []
+    for variable in step.metric_variables:
+        current = step.scope.state_mapping[id(variable)]
+        increment, total = step.summed.get(id(variable), (None, None))
+        if increment is current:
+            found[id(variable)] = total
+        else:
+            rest.append((variable, current))
+    by_dtype = {}
+    for variable, current in rest:
+        by_dtype.setdefault(current.dtype, []).append((variable, current))
+    for pairs in by_dtype.values():
+        totals = _sum_over([c for _, c in pairs], step.groups)
+        found.update((id(v), t) for (v, _), t in zip(pairs, totals))
+    return found
+
+
+def run(model, step, batch):
+    """Keras' `train_step` on this process's rows (`prepare` said it may);
+    returns the logs of the global batch."""
+    metrics = step.metric_variables
+    counted = {id(v) for v in metrics}
+    state = [v for v in (*model.variables, *model.optimizer.variables)
+             if id(v) not in counted]
+    trainable = {id(v) for v in model.trainable_variables}
+    mapping = {}
+    for variable in state:
+        local = variable._value._local_tensor
+        if id(variable) in trainable:
+            local = local.detach().requires_grad_(True)
+        mapping[id(variable)] = local
+    for variable in metrics:
+        mapping[id(variable)] = torch.zeros_like(variable._value._local_tensor)
+    scope = step.scope = StatelessScope()
+    scope.state_mapping = dict(mapping)
+    local_batch = tree.map_structure(_local, batch)
+    _STEPPING[0] = step
+    try:
+        with scope:
+            model.train_step(local_batch)
+    finally:
+        _STEPPING[0] = None
+    with torch.no_grad():
+        totals = _metric_sums(step)
+        for variable in metrics:
+            variable._value._local_tensor.add_(totals[id(variable)])
+        for variable in state:
+            new = scope.state_mapping[id(variable)]
+            if new is not mapping[id(variable)]:
+                variable._value._local_tensor.copy_(new)
+    # The logs, read from the metrics' (replicated) local tensors.
+    reading = StatelessScope()
+    reading.state_mapping = {id(v): v._value._local_tensor for v in metrics}
+    with reading:
+        return model.get_metrics_result()
+
+
+def local_steps(model):
+    """{input signature: steps run locally} (for tests)."""
+    return dict(_STEPS.get(model, {}))

@@ -1,0 +1,184 @@
+"""The torch data-parallel step on plain tensors (`backends/torch/local_step.py`):
+Keras' own `train_step` runs on each process's rows, the gradients and the
+metric increments summed in one all-reduce, only where that gives one
+device's numbers. Each test checks which path each step took (the number of
+local steps) and that training equals one process.
+
+Runs under `python -m keras_layoutmap.launch -n 4 -m pytest` (nox -s
+tests-torch): every process runs each test, together."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import (
+    assert_same_history,
+    assert_same_weights,
+    digits_data,
+    digits_net,
+    dp_mesh,
+    mp_mesh,
+)
+
+import keras_layoutmap as klm
+from keras_layoutmap import backends
+
+pytestmark = [
+    pytest.mark.sharding,
+    pytest.mark.training,
+    pytest.mark.skipif(backends.name() != "torch",
+                       reason="the data-parallel step of the torch backend"),
+]
+
+# 600 rows in batches of 64 (split over 4 processes, 16 rows each), the
+# last batch 24 (6 each); 2 epochs: 20 steps, the first of each batch shape
+# on DTensors.
+ROWS, BATCH, EPOCHS = 600, 64, 2
+STEPS, FIRST_STEPS = 20, 2
+
+
+@pytest.fixture(scope="module")
+def digits():
+    x, y = digits_data(ROWS)
+    weights = np.random.default_rng(0).uniform(0.2, 2.0, ROWS).astype("float32")
+    return x, y, weights
+
+
+def local_steps(model):
+    from keras_layoutmap.backends.torch import local_step
+
+    return sum(local_step.local_steps(model).values())
+
+
+def fit(model, digits, sample_weight=False, y=None):
+    x, labels, weights = digits
+    return model.fit(x, labels if y is None else y, batch_size=BATCH,
+                     epochs=EPOCHS, shuffle=False, verbose=0,
+                     sample_weight=weights if sample_weight else None).history
+
+
+def on_mesh(build, mesh=None):
+    with klm.DataParallel(mesh or dp_mesh()).scope():
+        return build()
+
+
+@pytest.mark.parametrize("axes", ["batch", "batch x model"])
+@pytest.mark.parametrize("sample_weight", [False, True],
+                         ids=["", "sample weights"])
+def test_fit_runs_keras_step_locally_and_matches_one_process(
+        digits, axes, sample_weight):
+    """Loss and accuracy logs, weights and optimizer states equal one
+    process's; on a (batch, model) mesh the sums run over `batch` only."""
+    mesh = dp_mesh() if axes == "batch" else mp_mesh()
+    reference = digits_net()
+    ref_history = fit(reference, digits, sample_weight)
+    model = on_mesh(digits_net, mesh)
+    history = fit(model, digits, sample_weight)
+    assert local_steps(model) == STEPS - FIRST_STEPS
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    assert_same_weights([v.numpy() for v in model.optimizer.variables],
+                        [v.numpy() for v in reference.optimizer.variables])
+    kernel = model.get_layer("d1").kernel
+    assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
+    # Every process holds the global metric states (each checks its own).
+    x, y, _ = digits
+    got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0,
+                                  return_dict=True)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+
+
+def test_a_batch_the_axis_does_not_divide_runs_whole_on_every_process(digits):
+    """66 rows over 4 processes: whole on each (DataParallel's data layout),
+    so each process's step is the global one, with nothing to sum."""
+    x, y, weights = digits
+    data = (x[:66 * 4], y[:66 * 4], weights)
+
+    def run(model):
+        return model.fit(data[0], data[1], batch_size=66, epochs=2,
+                         shuffle=False, verbose=0).history
+
+    reference = digits_net()
+    ref_history = run(reference)
+    model = on_mesh(digits_net)
+    history = run(model)
+    assert local_steps(model) == 8 - 1
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+
+
+def two_outputs():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    digit = keras.layers.Dense(10, name="digit")(hidden)
+    value = keras.layers.Dense(1, name="value")(hidden)
+    model = keras.Model(inputs, {"digit": digit, "value": value}, name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss={"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "value": "mse"},
+        loss_weights={"digit": 1.0, "value": 0.5},
+        metrics={"digit": ["accuracy"], "value": ["mae"]},
+    )
+    return model
+
+
+def test_two_outputs_their_losses_and_metrics_match_one_process(digits):
+    """Per-output losses (each with its own loss tracker) and metrics."""
+    _, labels, _ = digits
+    y = {"digit": labels, "value": (labels / 9.0).astype("float32")}
+    reference = two_outputs()
+    ref_history = fit(reference, digits, y=y)
+    model = on_mesh(two_outputs)
+    history = fit(model, digits, y=y)
+    assert local_steps(model) == STEPS - FIRST_STEPS
+    assert {"digit_loss", "value_loss", "digit_accuracy", "value_mae"} <= set(
+        history)
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+
+
+def batch_max_loss(y_true, y_pred):
+    """The largest row loss of the batch: not a mean over rows."""
+    rows = keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)
+    return keras.ops.max(rows)
+
+
+def batch_max_metric(y_true, y_pred):
+    return keras.ops.max(y_pred)
+
+
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+NOT_ROW_MEANS = {  # digits_net's arguments, made for each model
+    "a loss summed over the batch": lambda: dict(
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum"),
+        optimizer=keras.optimizers.SGD(1e-4)),
+    "a loss averaged by the sample weights": lambda: dict(
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight")),
+    "a loss of the user's": lambda: dict(loss=batch_max_loss),
+    "a metric of the user's": lambda: dict(metrics=[batch_max_metric]),
+    "a weight regularizer": lambda: dict(d1={"kernel_regularizer": "l2"}),
+    "a train_step of the user's": lambda: dict(model_class=OwnStep),
+}
+
+
+@pytest.mark.parametrize("case", NOT_ROW_MEANS)
+def test_steps_that_are_not_row_means_stay_on_dtensors(digits, case):
+    def build():
+        return digits_net(**NOT_ROW_MEANS[case]())
+
+    reference = build()
+    ref_history = fit(reference, digits, sample_weight=True)
+    model = on_mesh(build)
+    history = fit(model, digits, sample_weight=True)
+    assert local_steps(model) == 0
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
