@@ -18,6 +18,7 @@ from keras_layoutmap.backends.torch import (
     convolution,
     gradients,
     keras_distribution,
+    local_step,
     lookups,
     placement,
     random_draws,
@@ -94,6 +95,8 @@ def install():
     if keras_torch.reduces_metrics:  # Keras 3.16
         Trainer.get_metrics_result = training.wrap_get_metrics_result(
             Trainer.get_metrics_result, Trainer)
+    Trainer.get_metrics_result = local_step.wrap_get_metrics_result(
+        Trainer.get_metrics_result)
     # 3.15's iterator already gives host batches; 3.16's places ModelParallel
     # ones itself.
     if keras_torch.TorchEpochIterator is not None:

@@ -103,15 +103,22 @@ def _row_placements(x):
     return None
 
 
-def signature(args, kwargs):
+def dtensor_entry(x):
+    """A DTensor's part of a call signature (None for another leaf)."""
+    if isinstance(x, DTensor):
+        return (tuple(x.shape), x.dtype, tuple(x.placements), id(x.device_mesh))
+    return None
+
+
+def signature(args, kwargs, entry=dtensor_entry):
     """What the decision depends on, hashable; None when a leaf is neither
-    a DTensor nor a plain Python value."""
+    a tensor `entry` describes nor a plain Python value."""
     key = [len(args), tuple(sorted(kwargs))]
     found = False
     for x in tree.flatten((args, kwargs)):
-        if isinstance(x, DTensor):
-            key.append((tuple(x.shape), x.dtype, tuple(x.placements),
-                        id(x.device_mesh)))
+        described = entry(x)
+        if described is not None:
+            key.append(described)
             found = True
         elif isinstance(x, _SCALARS):
             key.append((type(x), x))

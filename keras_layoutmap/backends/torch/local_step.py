@@ -37,6 +37,7 @@ DTensors as before (`training.wrap_make_function`):
 `KLM_TORCH_LOCAL_PIECES=0` turns this off with the rest of the fast path.
 """
 
+import functools
 import math
 import weakref
 
@@ -54,6 +55,7 @@ _KERAS_METHODS = ("train_step", "compute_loss", "_compute_loss",
                   "compute_metrics", "get_metrics_result")
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _STEPS = weakref.WeakKeyDictionary()  # model -> {plan key: local steps run}
+_CHECKED = weakref.WeakKeyDictionary()  # model -> (token, metric variables)
 
 
 class _Step:
@@ -132,19 +134,72 @@ def _smallest_piece(rows, placements, mesh):
     return max(0, rows - (n - 1) * chunk)
 
 
+class Piece:
+    """One tensor of a batch as a local step takes it: this process's rows
+    (`local`, a plain tensor) and the whole batch's shape, dtype and
+    placements on `device_mesh` (what its DTensor would have)."""
+
+    __slots__ = ("local", "shape", "dtype", "placements", "device_mesh")
+
+    def __init__(self, local, shape, dtype, placements, device_mesh):
+        self.local = local
+        self.shape = shape
+        self.dtype = dtype
+        self.placements = placements
+        self.device_mesh = device_mesh
+
+    @classmethod
+    def of(cls, x):
+        """A DTensor's piece on this process."""
+        return cls(x._local_tensor, tuple(x.shape), x.dtype, tuple(x.placements),
+                   x.device_mesh)
+
+    def entry(self):
+        return (self.shape, self.dtype, self.placements, id(self.device_mesh))
+
+
+def _entry(x):
+    return x.entry() if isinstance(x, Piece) else None
+
+
+def _checked(model, plan, optimizer):
+    """The metric variables when what a step does besides the model call
+    allows a local step (the losses, the metrics, where the variables
+    live), else None; kept per model until the plan, the compiled loss and
+    metrics or the optimizer change."""
+    token = (plan, id(model._compile_loss), id(model._compile_metrics),
+             id(optimizer), tuple(id(v._value) for v in optimizer.variables))
+    found = _CHECKED.get(model)
+    if found is not None and found[0] == token:
+        return found[1]
+    metric_variables = None
+    if (model.trainable_variables and not model.losses
+            and _losses_are_row_means(model) and _metrics_are_row_sums(model)):
+        metric_variables = [v for m in model.metrics for v in m.variables]
+        if not all(_is_replicated_on(v._value, plan.mesh)
+                   for v in (*optimizer.variables, *metric_variables)):
+            metric_variables = None
+    _CHECKED[model] = (token, metric_variables)
+    return metric_variables
+
+
 def prepare(model, batch):
-    """A `_Step` when this batch's training step may run locally, else None."""
+    """A `_Step` when this batch's training step may run locally, else None.
+
+    `batch`: Keras' (x, y, sample_weight) with every tensor a `Piece`."""
     if not local_pieces.ENABLED or getattr(model, "jit_compile", False) is True:
         return None
     if any(getattr(type(model), name, None) is not getattr(Trainer, name, None)
            for name in _KERAS_METHODS):
         return None
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not optimizer.built or not model.trainable_variables:
+    if optimizer is None or not optimizer.built:
         return None
     x, y, sample_weight = unpack_x_y_sample_weight(batch)
     kwargs = {"training": True} if model._call_has_training_arg else {}
-    key = local_pieces.signature((x,), kwargs)
+    key = local_pieces.signature((x,), kwargs, entry=_entry)
+    if key is None:
+        return None
     steps = _STEPS.setdefault(model, {})
     if key not in steps:  # the first step with these inputs builds what it needs
         steps[key] = 0
@@ -155,29 +210,25 @@ def prepare(model, batch):
     for leaf in tree.flatten((y, sample_weight)):
         if leaf is None:
             continue
-        if not (isinstance(leaf, DTensor) and leaf.device_mesh == plan.mesh
-                and tuple(leaf.placements) == plan.placements
-                and leaf.ndim > 0 and leaf.shape[0] == plan.rows):
+        if not (isinstance(leaf, Piece) and leaf.device_mesh == plan.mesh
+                and leaf.placements == plan.placements
+                and len(leaf.shape) > 0 and leaf.shape[0] == plan.rows):
             return None
     if not _smallest_piece(plan.rows, plan.placements, plan.mesh):
         return None
-    if model.losses or not _losses_are_row_means(model) or not (
-            _metrics_are_row_sums(model)):
-        return None
-    metric_variables = [v for m in model.metrics for v in m.variables]
-    if not all(_is_replicated_on(v._value, plan.mesh)
-               for v in (*optimizer.variables, *metric_variables)):
+    metric_variables = _checked(model, plan, optimizer)
+    if metric_variables is None:
         return None
     groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
               if isinstance(p, Shard)]
     local_rows = next(leaf for leaf in tree.flatten(x)
-                      if isinstance(leaf, DTensor))._local_tensor.shape[0]
+                      if isinstance(leaf, Piece)).local.shape[0]
     steps[key] += 1
     return _Step(groups, local_rows / plan.rows, metric_variables)
 
 
 def _local(x):
-    return x._local_tensor if isinstance(x, DTensor) else x
+    return x.local if isinstance(x, Piece) else x
 
 
 def _sum_over(tensors, groups, scale=1.0, scaled=None):
@@ -289,6 +340,20 @@ def run(model, step, batch):
     reading.state_mapping = {id(v): v._value._local_tensor for v in metrics}
     with reading:
         return model.get_metrics_result()
+
+
+def wrap_get_metrics_result(original):
+    """Inside a local step, Keras' `compute_metrics` would read this
+    process's increments: nothing is read there (`run` reads the logs
+    once the increments are summed)."""
+
+    @functools.wraps(original)
+    def get_metrics_result(self):
+        if _STEPPING[0] is not None:
+            return {}
+        return original(self)
+
+    return get_metrics_result
 
 
 def local_steps(model):

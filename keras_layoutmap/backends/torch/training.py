@@ -15,6 +15,7 @@ own slice and the slices are gathered into the global batch first.
 """
 
 import functools
+import weakref
 
 from keras import distribution as keras_distribution
 from keras import tree
@@ -25,6 +26,8 @@ from keras_layoutmap.backends.torch.gradients import summed
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     describe_mesh,
+    local_slices,
+    placements,
     to_device_mesh,
     to_host,
     to_layout,
@@ -106,6 +109,45 @@ def distribute_batch(data, dist):
     return tree.map_structure(place, data)
 
 
+_DATA_PLACEMENTS = weakref.WeakKeyDictionary()  # distribution -> {shape: ...}
+
+
+def _data_placement(dist, shape):
+    """(DeviceMesh, placements, this process's slice) of a batch tensor of
+    `shape` by the distribution's data layout (kept per shape)."""
+    found = _DATA_PLACEMENTS.setdefault(dist, {})
+    if shape not in found:
+        layout = as_layout(dist.get_data_layout(shape))
+        device_mesh = to_device_mesh(layout.mesh)
+        places = placements(layout)
+        found[shape] = (device_mesh, places,
+                        local_slices(shape, device_mesh, places))
+    return found[shape]
+
+
+def batch_pieces(data, dist):
+    """A batch as `local_step.Piece`s: each tensor's rows for this process
+    by the distribution's data layout, with no DTensor made (a DTensor
+    input gives its local piece); None where the slices must be gathered
+    first (`auto_shard_dataset=False` across processes)."""
+    if processes.process_count() > 1 and not getattr(
+            dist, "auto_shard_dataset", True):
+        return None
+
+    def piece(x):
+        if x is None:
+            return x
+        if isinstance(x, DTensor):
+            check_mesh(x, to_device_mesh(dist.device_mesh), "the distribution's")
+            return local_step.Piece.of(x)
+        x = convert_to_tensor(x)
+        shape = tuple(x.shape)
+        device_mesh, places, slices = _data_placement(dist, shape)
+        return local_step.Piece(x[slices], shape, x.dtype, places, device_mesh)
+
+    return tree.map_structure(piece, data)
+
+
 def _host_outputs(outputs):
     return tree.map_structure(
         lambda x: to_host(x) if isinstance(x, DTensor) else x, outputs)
@@ -128,13 +170,14 @@ def wrap_make_function(original, attribute):
             dist = _mesh_distribution()
             if dist is None:
                 return step(data)
-            data = [distribute_batch(batch, dist) for batch in data]
             _IN_STEP[0] = True
             try:
                 if attribute == "train_function" and len(data) == 1:
-                    local = local_step.prepare(self, data[0])
-                    if local is not None:
-                        return _host_outputs(local_step.run(self, local, data[0]))
+                    pieces = batch_pieces(data[0], dist)
+                    local = pieces and local_step.prepare(self, pieces)
+                    if local:
+                        return _host_outputs(local_step.run(self, local, pieces))
+                data = [distribute_batch(batch, dist) for batch in data]
                 return _host_outputs(step(data))
             finally:
                 _IN_STEP[0] = False
