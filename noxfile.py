@@ -81,7 +81,8 @@ MESH_TESTS = "sharding or training"
 # second time would take nox far past 45 minutes on 2 cores.
 NEXT_TESTS = ["tests/test_keras_internals.py", "tests/test_training.py",
               "tests/test_keras_classes.py", "tests/test_sharding.py",
-              "tests/test_born_sharded.py", "tests/test_layer_zoo.py"]
+              "tests/test_born_sharded.py", "tests/test_layer_zoo.py",
+              "tests/test_torch_local_step.py"]
 KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
               "keras-hub-nightly==0.33.0.dev202610250352"]
 
