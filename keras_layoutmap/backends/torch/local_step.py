@@ -158,6 +158,17 @@ class Piece:
         return (self.shape, self.dtype, self.placements, id(self.device_mesh))
 
 
+def _leaves(structure):
+    """`tree.flatten(structure)`, faster where it is a Piece, None or a
+    tuple of them."""
+    if structure is None or isinstance(structure, Piece):
+        return [structure]
+    if type(structure) is tuple and all(
+            x is None or isinstance(x, Piece) for x in structure):
+        return list(structure)
+    return tree.flatten(structure)
+
+
 def _entry(x):
     return x.entry() if isinstance(x, Piece) else None
 
@@ -207,7 +218,7 @@ def prepare(model, batch):
     plan = local_pieces.plan_of(model, key)
     if plan is None or plan.trial is not None or plan.masked:
         return None
-    for leaf in tree.flatten((y, sample_weight)):
+    for leaf in _leaves((y, sample_weight)):
         if leaf is None:
             continue
         if not (isinstance(leaf, Piece) and leaf.device_mesh == plan.mesh
@@ -221,7 +232,7 @@ def prepare(model, batch):
         return None
     groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
               if isinstance(p, Shard)]
-    local_rows = next(leaf for leaf in tree.flatten(x)
+    local_rows = next(leaf for leaf in _leaves(x)
                       if isinstance(leaf, Piece)).local.shape[0]
     steps[key] += 1
     return _Step(groups, local_rows / plan.rows, metric_variables)

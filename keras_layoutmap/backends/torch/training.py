@@ -145,6 +145,9 @@ def batch_pieces(data, dist):
         device_mesh, places, slices = _data_placement(dist, shape)
         return local_step.Piece(x[slices], shape, x.dtype, places, device_mesh)
 
+    if type(data) is tuple and not any(
+            isinstance(x, (tuple, list, dict)) for x in data):
+        return tuple(piece(x) for x in data)  # as tree.map_structure, faster
     return tree.map_structure(piece, data)
 
 
@@ -175,8 +178,8 @@ def wrap_make_function(original, attribute):
                 if attribute == "train_function" and len(data) == 1:
                     pieces = batch_pieces(data[0], dist)
                     local = pieces and local_step.prepare(self, pieces)
-                    if local:
-                        return _host_outputs(local_step.run(self, local, pieces))
+                    if local:  # its logs are plain tensors already
+                        return local_step.run(self, local, pieces)
                 data = [distribute_batch(batch, dist) for batch in data]
                 return _host_outputs(step(data))
             finally:
