@@ -12,8 +12,11 @@ prints what process 0 measured. In those P processes:
   cross-entropy from logits, no metric) is built and compiled under
   `klm.DataParallel(klm.create_mesh([("batch", P)]))`: its weights are
   replicated DTensor parameters, and `model.fit` on numpy arrays (every
-  process passes the same global data) packs each global batch of 256 onto
-  the mesh, each process keeping its share;
+  process passes the same global data) runs Keras' own `train_step` on each
+  process's share of each global batch of 256, with plain tensors, the
+  gradients and the loss tracker's sums taken in one all-reduce
+  (`backends/torch/local_step.py`; its first step per batch shape runs on
+  DTensors);
 - **DDP**: the same model in plain torch (`nn.Sequential` of `Linear` /
   `ReLU`, the same sizes, `torch.optim.Adam(lr=1e-3, eps=1e-7)` as Keras',
   `nn.CrossEntropyLoss`), starting from the klm model's initial weights,
@@ -26,16 +29,15 @@ Two more runs give each one's floor, with no communication at all: every
 process trains a copy of its own on its own share of each batch, in Keras
 with no distribution (**Keras alone**: what Keras' own step costs, which no
 distribution can go under) and in plain torch (**torch alone**). So
-klm - Keras alone is what keras-layoutmap adds (placing the batch, the
-gradient all-reduce, the batch sums of the loss), and DDP - torch alone what
-DDP adds.
+klm - Keras alone is what keras-layoutmap adds (slicing the batch, the
+one all-reduce, its bookkeeping), and DDP - torch alone what DDP adds.
 
 The runs alternate in the same processes for `--rounds` rounds (the
 order turning each round), so machine noise hits all alike; each round is
 one epoch of `--skip` dropped warm-up steps plus `--steps` timed steps. A klm
 step is timed in a callback's `on_train_batch_begin` / `on_train_batch_end`
-(Keras' whole step: packing the batch, forward, backward, the gradient
-all-reduce DTensor inserts, Adam, the loss tracker, the logs); a DDP step
+(Keras' whole step: slicing the batch, forward, backward, the
+all-reduce, Adam, the loss tracker, the logs); a DDP step
 from slicing the batch to `optimizer.step()` and `loss.item()`. Besides the
 wall time, process 0's CPU time per step (`time.process_time()`, all its
 threads) is reported: with more processes than cores, a step's wall time
@@ -123,7 +125,7 @@ def cpu_by_part(rounds, runs, steps):
     from keras.src.metrics import reduction_metrics
     from keras.src.models import model as keras_model
 
-    from keras_layoutmap.backends.torch import gradients, training
+    from keras_layoutmap.backends.torch import gradients, local_step, training
 
     spent = collections.defaultdict(float)
     wrapped = [
@@ -133,9 +135,11 @@ def cpu_by_part(rounds, runs, steps):
         (torch.Tensor, "backward", "backward pass"),
         (torch_optimizer.TorchOptimizer, "apply", "optimizer.apply"),
         (gradients, "_sum_in_one", "  of which the gradient all-reduce"),
+        (local_step, "reduce_gradients", "  of which the gradient all-reduce"),
         (reduction_metrics.Mean, "update_state", "loss tracker update"),
         (reduction_metrics.Mean, "result", "loss tracker result"),
         (training, "distribute_batch", "placing the batch"),
+        (training, "batch_pieces", "placing the batch"),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
