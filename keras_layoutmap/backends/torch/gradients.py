@@ -11,7 +11,6 @@ process's local copies (`local_pieces.apply_locally`).
 
 import functools
 
-import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from keras_layoutmap.backends.torch import local_pieces, local_step
@@ -29,17 +28,10 @@ def _sum_in_one(grads):
     placements and dtype) summed over the processes with one all-reduce
     per mesh axis for all of them."""
     first = grads[0]
-    mesh = first.device_mesh
-    locals_ = [g._local_tensor for g in grads]
-    flat = torch.cat([x.reshape(-1) for x in locals_])
-    for mesh_dim, place in enumerate(first.placements):
-        if isinstance(place, Partial):
-            torch.distributed.all_reduce(flat, group=mesh.get_group(mesh_dim))
-    result, start = [], 0
-    for x in locals_:
-        result.append(flat[start:start + x.numel()].view(x.shape))
-        start += x.numel()
-    return result
+    groups = [first.device_mesh.get_group(mesh_dim)
+              for mesh_dim, place in enumerate(first.placements)
+              if isinstance(place, Partial)]
+    return local_step.sum_over([g._local_tensor for g in grads], groups)
 
 
 def _is_pending_sum_of(grad, value):

@@ -13,7 +13,9 @@ Then, as `DistributedDataParallel` does:
   before the optimizer's update, which every process then makes alike;
 - **metrics**: every metric variable starts the step at zero, so what the
   step leaves in it is this process's increment; the increments are summed
-  over the same processes in one all-reduce and added to the variables.
+  over the same processes and added to the variables. The loss tracker's
+  (updated before the optimizer's update) go in the gradients' all-reduce;
+  the compiled metrics' (updated after it) in one more.
 
 This gives one device's numbers (to float rounding: sums taken in another
 order) only where the loss is a mean over rows and the metrics are sums
@@ -242,7 +244,7 @@ def _local(x):
     return x.local if isinstance(x, Piece) else x
 
 
-def _sum_over(tensors, groups, scale=1.0, scaled=None):
+def sum_over(tensors, groups, scale=1.0, scaled=None):
     """`tensors` (plain, one dtype) summed over `groups` in one all-reduce
     per group for all of them, the first `scaled` of them (all by default)
     multiplied by `scale` first."""
@@ -281,7 +283,7 @@ def reduce_gradients(grads):
                    if step.scope.state_mapping[id(v)].dtype == dtype
                    and id(v) not in step.summed]
         increments = [step.scope.state_mapping[id(v)] for v in counted]
-        summed = _sum_over([grads[i].detach() for i in indices] + increments,
+        summed = sum_over([grads[i].detach() for i in indices] + increments,
                            step.groups, step.scale, len(indices))
         for i, g in zip(indices, summed):
             result[i] = g
@@ -308,7 +310,7 @@ def _metric_sums(step):
     for variable, current in rest:
         by_dtype.setdefault(current.dtype, []).append((variable, current))
     for pairs in by_dtype.values():
-        totals = _sum_over([c for _, c in pairs], step.groups)
+        totals = sum_over([c for _, c in pairs], step.groups)
         found.update((id(v), t) for (v, _), t in zip(pairs, totals))
     return found
 
