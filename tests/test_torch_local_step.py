@@ -1,8 +1,9 @@
 """The torch data-parallel step on plain tensors (`backends/torch/local_step.py`):
-Keras' own `train_step` runs on each process's rows, the gradients and the
-metric increments summed in one all-reduce, only where that gives one
-device's numbers. Each test checks which path each step took (the number of
-local steps) and that training equals one process.
+Keras' own `train_step` (and `test_step`) runs on each process's rows, the
+gradients and the loss tracker's increments summed in one all-reduce, only
+where that gives one device's numbers. Each test checks which path each
+step took (the number of local steps) and that training equals one
+process.
 
 Runs under `python -m keras_layoutmap.launch -n 4 -m pytest` (nox -s
 tests-torch): every process runs each test, together."""
@@ -43,17 +44,18 @@ def digits():
     return x, y, weights
 
 
-def local_steps(model):
+def local_steps(model, training=True):
     from keras_layoutmap.backends.torch import local_step
 
-    return sum(local_step.local_steps(model).values())
+    return sum(local_step.local_steps(model, training).values())
 
 
-def fit(model, digits, sample_weight=False, y=None):
+def fit(model, digits, sample_weight=False, y=None, **kwargs):
     x, labels, weights = digits
     return model.fit(x, labels if y is None else y, batch_size=BATCH,
                      epochs=EPOCHS, shuffle=False, verbose=0,
-                     sample_weight=weights if sample_weight else None).history
+                     sample_weight=weights if sample_weight else None,
+                     **kwargs).history
 
 
 def on_mesh(build, mesh=None):
@@ -80,12 +82,19 @@ def test_fit_runs_keras_step_locally_and_matches_one_process(
                         [v.numpy() for v in reference.optimizer.variables])
     kernel = model.get_layer("d1").kernel
     assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
-    # Every process holds the global metric states (each checks its own).
-    x, y, _ = digits
-    got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    # evaluate's steps run locally too (the first of each batch shape on
+    # DTensors); every process holds the global metric states.
+    x, y, weights = digits
+    weights = weights if sample_weight else None
+    got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
+                         sample_weight=weights)
     expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0,
-                                  return_dict=True)
-    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+                                  return_dict=True, sample_weight=weights)
+    assert local_steps(model, training=False) == STEPS // EPOCHS - FIRST_STEPS
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5,
+                                   err_msg=name)
 
 
 def test_a_batch_the_axis_does_not_divide_runs_whole_on_every_process(digits):
@@ -125,16 +134,21 @@ def two_outputs():
 
 
 def test_two_outputs_their_losses_and_metrics_match_one_process(digits):
-    """Per-output losses (each with its own loss tracker) and metrics."""
-    _, labels, _ = digits
+    """Per-output losses (each with its own loss tracker) and metrics, and
+    the validation logs fit takes with them."""
+    x, labels, _ = digits
     y = {"digit": labels, "value": (labels / 9.0).astype("float32")}
+    validation = (x[:200], {"digit": y["digit"][:200], "value": y["value"][:200]})
     reference = two_outputs()
-    ref_history = fit(reference, digits, y=y)
+    ref_history = fit(reference, digits, y=y, validation_data=validation)
     model = on_mesh(two_outputs)
-    history = fit(model, digits, y=y)
+    history = fit(model, digits, y=y, validation_data=validation)
     assert local_steps(model) == STEPS - FIRST_STEPS
-    assert {"digit_loss", "value_loss", "digit_accuracy", "value_mae"} <= set(
-        history)
+    # 200 rows: 3 batches of 64 and one of 8, twice; the first of each on
+    # DTensors.
+    assert local_steps(model, training=False) == 8 - 2
+    assert {"digit_loss", "value_loss", "digit_accuracy", "value_mae",
+            "val_digit_loss", "val_value_mae"} <= set(history)
     assert_same_history(history, ref_history)
     assert_same_weights(model.get_weights(), reference.get_weights())
 

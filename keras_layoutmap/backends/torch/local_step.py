@@ -1,7 +1,8 @@
 """Keras' own training step on each process's rows, with plain tensors.
 
 Where a data-parallel step qualifies (below), `fit` runs Keras' own
-`train_step` on this process's pieces of the batch, under a
+`train_step` (and `evaluate` its `test_step`) on this process's pieces of
+the batch, under a
 `keras.StatelessScope` that maps every model, optimizer and metric variable
 to a plain local tensor: the forward pass, the loss, the backward pass and
 the optimizer's update are torch's own ops, with no DTensor in between.
@@ -22,7 +23,7 @@ order) only where the loss is a mean over rows and the metrics are sums
 over rows. So a step is local only when all of this holds, else it runs on
 DTensors as before (`training.wrap_make_function`):
 
-- the model's `train_step`, `compute_loss`, `compute_metrics` and
+- the model's `train_step` (`test_step`), `compute_loss`, `compute_metrics` and
   `get_metrics_result` are Keras' own, and it is not `jit_compile`d;
 - the model call for the batch's inputs runs locally (`local_pieces`: all
   weights replicated, no batch statistics, no random draws, no added loss)
@@ -53,19 +54,23 @@ from keras_layoutmap.backends.torch.keras_internals import Trainer
 from keras_layoutmap.keras_internals import StatelessScope
 
 _STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
-_KERAS_METHODS = ("train_step", "compute_loss", "_compute_loss",
-                  "compute_metrics", "get_metrics_result")
+_KERAS_METHODS = ("compute_loss", "_compute_loss", "compute_metrics",
+                  "get_metrics_result")
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-_STEPS = weakref.WeakKeyDictionary()  # model -> {plan key: local steps run}
-_CHECKED = weakref.WeakKeyDictionary()  # model -> (token, metric variables)
+# model -> {(training, plan key): local steps run}
+_STEPS = weakref.WeakKeyDictionary()
+# model -> {training: (token, metric variables)}
+_CHECKED = weakref.WeakKeyDictionary()
 
 
 class _Step:
     """How one local step sums over processes."""
 
-    __slots__ = ("groups", "scale", "metric_variables", "scope", "summed")
+    __slots__ = ("training", "groups", "scale", "metric_variables", "scope",
+                 "summed")
 
-    def __init__(self, groups, scale, metric_variables):
+    def __init__(self, training, groups, scale, metric_variables):
+        self.training = training  # a train_step, else a test_step
         self.groups = groups  # process groups of the mesh dims that split rows
         self.scale = scale  # this process's rows / the global batch's rows
         self.metric_variables = metric_variables
@@ -175,47 +180,50 @@ def _entry(x):
     return x.entry() if isinstance(x, Piece) else None
 
 
-def _checked(model, plan, optimizer):
+def _checked(model, plan, training):
     """The metric variables when what a step does besides the model call
     allows a local step (the losses, the metrics, where the variables
     live), else None; kept per model until the plan, the compiled loss and
     metrics or the optimizer change."""
+    updated = model.optimizer.variables if training else ()
     token = (plan, id(model._compile_loss), id(model._compile_metrics),
-             id(optimizer), tuple(id(v._value) for v in optimizer.variables))
-    found = _CHECKED.get(model)
-    if found is not None and found[0] == token:
-        return found[1]
+             id(model.optimizer), tuple(id(v._value) for v in updated))
+    found = _CHECKED.setdefault(model, {})
+    if training in found and found[training][0] == token:
+        return found[training][1]
     metric_variables = None
-    if (model.trainable_variables and not model.losses
+    if ((model.trainable_variables or not training) and not model.losses
             and _losses_are_row_means(model) and _metrics_are_row_sums(model)):
         metric_variables = [v for m in model.metrics for v in m.variables]
         if not all(_is_replicated_on(v._value, plan.mesh)
-                   for v in (*optimizer.variables, *metric_variables)):
+                   for v in (*updated, *metric_variables)):
             metric_variables = None
-    _CHECKED[model] = (token, metric_variables)
+    found[training] = (token, metric_variables)
     return metric_variables
 
 
-def prepare(model, batch):
-    """A `_Step` when this batch's training step may run locally, else None.
+def prepare(model, batch, training=True):
+    """A `_Step` when this batch's training step (`training`) or evaluation
+    step may run locally, else None.
 
     `batch`: Keras' (x, y, sample_weight) with every tensor a `Piece`."""
     if not local_pieces.ENABLED or getattr(model, "jit_compile", False) is True:
         return None
+    method = "train_step" if training else "test_step"
     if any(getattr(type(model), name, None) is not getattr(Trainer, name, None)
-           for name in _KERAS_METHODS):
+           for name in (method, *_KERAS_METHODS)):
         return None
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not optimizer.built:
+    if training and (optimizer is None or not optimizer.built):
         return None
     x, y, sample_weight = unpack_x_y_sample_weight(batch)
-    kwargs = {"training": True} if model._call_has_training_arg else {}
+    kwargs = {"training": training} if model._call_has_training_arg else {}
     key = local_pieces.signature((x,), kwargs, entry=_entry)
     if key is None:
         return None
     steps = _STEPS.setdefault(model, {})
-    if key not in steps:  # the first step with these inputs builds what it needs
-        steps[key] = 0
+    if (training, key) not in steps:  # the first step builds what it needs
+        steps[training, key] = 0
         return None
     plan = local_pieces.plan_of(model, key)
     if plan is None or plan.trial is not None or plan.masked:
@@ -229,15 +237,15 @@ def prepare(model, batch):
             return None
     if not _smallest_piece(plan.rows, plan.placements, plan.mesh):
         return None
-    metric_variables = _checked(model, plan, optimizer)
+    metric_variables = _checked(model, plan, training)
     if metric_variables is None:
         return None
     groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
               if isinstance(p, Shard)]
     local_rows = next(leaf for leaf in _leaves(x)
                       if isinstance(leaf, Piece)).local.shape[0]
-    steps[key] += 1
-    return _Step(groups, local_rows / plan.rows, metric_variables)
+    steps[training, key] += 1
+    return _Step(training, groups, local_rows / plan.rows, metric_variables)
 
 
 def _local(x):
@@ -316,13 +324,14 @@ def _metric_sums(step):
 
 
 def run(model, step, batch):
-    """Keras' `train_step` on this process's rows (`prepare` said it may);
-    returns the logs of the global batch."""
+    """Keras' `train_step` (or `test_step`) on this process's rows
+    (`prepare` said it may); returns the logs of the global batch."""
     metrics = step.metric_variables
     counted = {id(v) for v in metrics}
-    state = [v for v in (*model.variables, *model.optimizer.variables)
-             if id(v) not in counted]
-    trainable = {id(v) for v in model.trainable_variables}
+    updated = model.optimizer.variables if step.training else ()
+    state = [v for v in (*model.variables, *updated) if id(v) not in counted]
+    trainable = ({id(v) for v in model.trainable_variables} if step.training
+                 else set())
     mapping = {}
     for variable in state:
         local = variable._value._local_tensor
@@ -337,7 +346,10 @@ def run(model, step, batch):
     _STEPPING[0] = step
     try:
         with scope:
-            model.train_step(local_batch)
+            if step.training:
+                model.train_step(local_batch)
+            else:
+                model.test_step(local_batch)
     finally:
         _STEPPING[0] = None
     with torch.no_grad():
@@ -369,6 +381,8 @@ def wrap_get_metrics_result(original):
     return get_metrics_result
 
 
-def local_steps(model):
-    """{input signature: steps run locally} (for tests)."""
-    return dict(_STEPS.get(model, {}))
+def local_steps(model, training=True):
+    """{input signature: training (or evaluation) steps run locally} (for
+    tests)."""
+    return {key: count for (trains, key), count in _STEPS.get(model, {}).items()
+            if trains == training}

@@ -175,9 +175,10 @@ def wrap_make_function(original, attribute):
                 return step(data)
             _IN_STEP[0] = True
             try:
-                if attribute == "train_function" and len(data) == 1:
+                if attribute != "predict_function" and len(data) == 1:
                     pieces = batch_pieces(data[0], dist)
-                    local = pieces and local_step.prepare(self, pieces)
+                    local = pieces and local_step.prepare(
+                        self, pieces, training=attribute == "train_function")
                     if local:  # its logs are plain tensors already
                         return local_step.run(self, local, pieces)
                 data = [distribute_batch(batch, dist) for batch in data]
