@@ -247,6 +247,11 @@ def plan_of(model, key):
     return plan if plan is not None and plan.still_holds() else None
 
 
+def has_local_plan(model):
+    """Whether some call signature of the model runs locally."""
+    return any(plan is not None for plan in _PLANS.get(model, {}).values())
+
+
 def forget(model):
     """The model's variables moved: decide again at its next call."""
     _PLANS.pop(model, None)

@@ -27,8 +27,9 @@ DTensors as before (`training.wrap_make_function`):
   `get_metrics_result` are Keras' own, and it is not `jit_compile`d;
 - the model call for the batch's inputs runs locally (`local_pieces`: all
   weights replicated, no batch statistics, no random draws, no added loss)
-  and returns no mask, and a step with these inputs ran before (so the
-  optimizer, the compiled loss and the metrics are built);
+  and returns no mask, decided at an earlier call with these inputs, and
+  the optimizer, the compiled loss and the compiled metrics are built (so
+  the first step of each batch shape runs on DTensors);
 - every compiled loss is one of Keras' own with a mean over the batch
   (`sum_over_batch_size`); the model adds no loss (`model.losses` empty);
 - every compiled metric is one of Keras' own classes (a function metric:
@@ -57,7 +58,7 @@ _STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
 _KERAS_METHODS = ("compute_loss", "_compute_loss", "compute_metrics",
                   "get_metrics_result")
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-# model -> {(training, plan key): local steps run}
+# model -> {(training, plan key): local steps run} (for tests)
 _STEPS = weakref.WeakKeyDictionary()
 # model -> {training: (token, metric variables)}
 _CHECKED = weakref.WeakKeyDictionary()
@@ -202,28 +203,32 @@ def _checked(model, plan, training):
     return metric_variables
 
 
-def prepare(model, batch, training=True):
-    """A `_Step` when this batch's training step (`training`) or evaluation
-    step may run locally, else None.
-
-    `batch`: Keras' (x, y, sample_weight) with every tensor a `Piece`."""
+def may_run(model, training=True):
+    """Whether the model's training (or evaluation) steps may run locally
+    at all: the checks that need no batch."""
     if not local_pieces.ENABLED or getattr(model, "jit_compile", False) is True:
-        return None
+        return False
     method = "train_step" if training else "test_step"
     if any(getattr(type(model), name, None) is not getattr(Trainer, name, None)
            for name in (method, *_KERAS_METHODS)):
-        return None
+        return False
     optimizer = getattr(model, "optimizer", None)
     if training and (optimizer is None or not optimizer.built):
-        return None
+        return False
+    return local_pieces.has_local_plan(model)
+
+
+def prepare(model, batch, training=True):
+    """A `_Step` when this batch's training step (`training`) or evaluation
+    step may run locally, else None; `may_run` said it may at all.
+
+    `batch`: Keras' (x, y, sample_weight) with every tensor a `Piece`. The
+    model call for its inputs must have run locally before (in an earlier
+    step, which built the compiled loss and metrics)."""
     x, y, sample_weight = unpack_x_y_sample_weight(batch)
     kwargs = {"training": training} if model._call_has_training_arg else {}
     key = local_pieces.signature((x,), kwargs, entry=_entry)
     if key is None:
-        return None
-    steps = _STEPS.setdefault(model, {})
-    if (training, key) not in steps:  # the first step builds what it needs
-        steps[training, key] = 0
         return None
     plan = local_pieces.plan_of(model, key)
     if plan is None or plan.trial is not None or plan.masked:
@@ -244,7 +249,8 @@ def prepare(model, batch, training=True):
               if isinstance(p, Shard)]
     local_rows = next(leaf for leaf in _leaves(x)
                       if isinstance(leaf, Piece)).local.shape[0]
-    steps[training, key] += 1
+    steps = _STEPS.setdefault(model, {})
+    steps[training, key] = steps.get((training, key), 0) + 1
     return _Step(training, groups, local_rows / plan.rows, metric_variables)
 
 

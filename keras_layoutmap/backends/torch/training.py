@@ -175,10 +175,11 @@ def wrap_make_function(original, attribute):
                 return step(data)
             _IN_STEP[0] = True
             try:
-                if attribute != "predict_function" and len(data) == 1:
+                training = attribute == "train_function"
+                if (attribute != "predict_function" and len(data) == 1
+                        and local_step.may_run(self, training)):
                     pieces = batch_pieces(data[0], dist)
-                    local = pieces and local_step.prepare(
-                        self, pieces, training=attribute == "train_function")
+                    local = pieces and local_step.prepare(self, pieces, training)
                     if local:  # its logs are plain tensors already
                         return local_step.run(self, local, pieces)
                 data = [distribute_batch(batch, dist) for batch in data]
