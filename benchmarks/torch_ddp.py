@@ -67,6 +67,16 @@ loss tracker and placing the batch, side by side. Use it to see where klm's
 time goes: cProfile inflates Python code, DTensor's dispatch most of all,
 and so overstates what running it elsewhere would save.
 
+With `--waits`, a fifth run joins the interleaved rounds: **torch, one
+all-reduce**, the plain torch model summing its gradients in one flat
+all-reduce after the backward pass (klm's mechanism, with no Keras and no
+DDP). For it and for klm, every process records when each step enters and
+leaves its flatten-and-all-reduce, and process 0 prints, per run: the
+all-reduce as process 0 sees it, the part of it after the last process
+arrived (the collective's own time) and the mean spread of the processes'
+arrivals (the time one waits for another). With more processes than spare
+cores these, not CPU work, are most of what a distribution adds.
+
 Printed last, alone on its line: `distribution overhead ratio: R`, with
 R = (klm - Keras alone) / (DDP - torch alone) of the median step times:
 what keras-layoutmap adds to Keras' step against what DDP adds to torch's.
@@ -76,7 +86,7 @@ is within noise of 0 and R is not meaningful: read the two differences.
 
 Run: python benchmarks/torch_ddp.py [--processes 2] [--steps 40] [--rounds 4]
 [--hidden 512]
-[--parts 4] [--profile 20 [--profile-stats FILE]]
+[--parts 4] [--waits] [--profile 20 [--profile-stats FILE]]
 """
 
 import argparse
@@ -216,6 +226,11 @@ def worker(args):
     net_alone = build_torch(torch, keras_alone)
     optimizer_alone = torch.optim.Adam(net_alone.parameters(), lr=1e-3, eps=1e-7)
 
+    # --waits: {run: [{"in": t, "out": t}, ...]}, a dict per timed step on
+    # this process: entering and leaving the flatten-and-all-reduce.
+    waits = {"klm": [], "torch_flat": []}
+    recording = [None]  # the run whose klm steps are recorded now
+
     class CpuTimer(StepTimer):
         """Also the process's CPU time in each step (all its threads)."""
 
@@ -224,12 +239,30 @@ def worker(args):
             self.cpu = []
 
         def on_train_batch_begin(self, batch, logs=None):
+            if recording[0] is not None:
+                waits[recording[0]].append({})
             self._cpu = time.process_time()
             super().on_train_batch_begin(batch, logs)
 
         def on_train_batch_end(self, batch, logs=None):
             super().on_train_batch_end(batch, logs)
             self.cpu.append(time.process_time() - self._cpu)
+
+    if args.waits:
+        from keras_layoutmap.backends.torch import local_step
+
+        sum_over = local_step.sum_over
+
+        def marked_sum_over(*a, **k):
+            step = waits["klm"][-1] if recording[0] == "klm" else {}
+            # (a later sum in the same step, if any, is the one timed)
+            step["in"] = time.perf_counter()
+            try:
+                return sum_over(*a, **k)
+            finally:
+                step["out"] = time.perf_counter()
+
+        local_step.sum_over = marked_sum_over
 
     def fit_keras(keras_model, xs, ys, batch):
         timer = CpuTimer()
@@ -252,12 +285,58 @@ def worker(args):
             cpu.append(time.process_time() - start_cpu)
         return times, cpu, None
 
+    net_flat = build_torch(torch, model)
+    optimizer_flat = torch.optim.Adam(net_flat.parameters(), lr=1e-3, eps=1e-7)
+    flat_params = list(net_flat.parameters())
+
+    def fit_torch_flat():
+        """klm's mechanism in plain torch: each process's gradients,
+        scaled by its share of the rows, summed in one flat all-reduce."""
+        times, cpu = [], []
+        for i in range(steps):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            rows = slice(i * GLOBAL_BATCH + rank * local,
+                         i * GLOBAL_BATCH + (rank + 1) * local)
+            optimizer_flat.zero_grad()
+            loss = loss_fn(net_flat(xt[rows]), yt[rows])
+            loss.backward()
+            entered = time.perf_counter()
+            flat = torch.cat([p.grad.reshape(-1) for p in flat_params])
+            flat.mul_(local / GLOBAL_BATCH)
+            dist.all_reduce(flat)
+            left = time.perf_counter()
+            offset = 0
+            for p in flat_params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            optimizer_flat.step()
+            loss.item()
+            end = time.perf_counter()
+            times.append(end - start)
+            cpu.append(time.process_time() - start_cpu)
+            waits["torch_flat"].append({"in": entered, "out": left})
+        return times, cpu, None
+
+    def recorded(name, fit):
+        if not args.waits:
+            return fit
+
+        def run():
+            recording[0] = name
+            try:
+                return fit()
+            finally:
+                recording[0] = None
+        return run
+
     runs = {
-        "klm": lambda: fit_keras(model, x, y, GLOBAL_BATCH),
+        "klm": recorded("klm", lambda: fit_keras(model, x, y, GLOBAL_BATCH)),
         "ddp": lambda: fit_torch(ddp, optimizer),
         "keras_alone": lambda: fit_keras(keras_alone, x[mine], y[mine], local),
         "torch_alone": lambda: fit_torch(net_alone, optimizer_alone),
     }
+    if args.waits:
+        runs["torch_flat"] = fit_torch_flat
 
     def ddp_weights():
         found = []
@@ -272,7 +351,10 @@ def worker(args):
     for i in range(args.rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
+            recorded_before = {k: len(v) for k, v in waits.items()}
             step_times, cpu_times, loss = runs[name]()
+            for k, v in waits.items():  # this round's warm-up steps out
+                del v[recorded_before[k]:recorded_before[k] + args.skip]
             first.setdefault(name, step_times[0])
             times[name].extend(step_times[args.skip:])
             cpu[name].extend(cpu_times[args.skip:])
@@ -332,8 +414,36 @@ def worker(args):
                 verbose=0),
         }, steps)
 
+    waits_found = None
+    if args.waits:
+        every = [None] * world
+        dist.all_gather_object(every, waits)
+        waits_found = {}
+        for name in waits:
+            steps_of = [w[name] for w in every]
+            n = min(len(s) for s in steps_of)
+            rows = [[s[i] for s in steps_of] for i in range(n)]
+            rows = [r for r in rows if all("in" in p and "out" in p for p in r)]
+            if not rows:
+                continue
+            waits_found[name] = {
+                "all_reduce_ms": statistics.median(
+                    r[0]["out"] - r[0]["in"] for r in rows) * 1e3,
+                "after_all_arrived_ms": statistics.median(
+                    max(p["out"] for p in r) - max(p["in"] for p in r)
+                    for r in rows) * 1e3,
+                "after_all_arrived_min_ms": min(
+                    max(p["out"] for p in r) - max(p["in"] for p in r)
+                    for r in rows) * 1e3,
+                "arrival_spread_ms": statistics.fmean(
+                    max(p["in"] for p in r) - min(p["in"] for p in r)
+                    for r in rows) * 1e3,
+                "steps": len(rows),
+            }
+
     if rank == 0:
         result = {
+            "waits": waits_found,
             "placement": placement,
             "torch": torch.__version__,
             "keras": keras.__version__,
@@ -375,6 +485,11 @@ def main():
                         help="then N more epochs of klm and of Keras alone "
                         "(the first dropped) timing each part of the step "
                         "(CPU time of process 0): where klm's time goes")
+    parser.add_argument("--waits", action="store_true",
+                        help="also run plain torch with one flat all-reduce "
+                        "and time, on every process, klm's and its all-reduce: "
+                        "the collective's own time and the waits between "
+                        "processes")
     parser.add_argument("--profile-stats", metavar="FILE",
                         help="also write the profile there (pstats), to look "
                         "into with `python -m pstats FILE`")
@@ -412,6 +527,7 @@ def main():
                    "--profile", str(args.profile),
                    "--profile-clock", args.profile_clock,
                    "--parts", str(args.parts),
+                   *(["--waits"] if args.waits else []),
                    *(["--profile-stats", os.path.abspath(args.profile_stats)]
                      if args.profile_stats else [])]
         done = subprocess.run(command, env=env, timeout=900, check=False)
@@ -433,7 +549,10 @@ def main():
         table.add_column(column, justify="left" if column == "run" else "right")
     for key, label in (("klm", "klm DataParallel fit"), ("ddp", "torch DDP"),
                        ("keras_alone", "Keras alone, its share"),
-                       ("torch_alone", "torch alone, its share")):
+                       ("torch_alone", "torch alone, its share"),
+                       ("torch_flat", "torch, one all-reduce")):
+        if key not in r["median_ms"]:
+            continue
         table.add_row(label, f"{r['first_ms'][key]:.1f}",
                       f"{r['median_ms'][key]:.2f}", f"{r['mean_ms'][key]:.2f}",
                       f"{r['cpu_ms'][key]:.2f}", str(r["steps"][key]))
@@ -476,6 +595,31 @@ def main():
             parts.add_row(part, f"{klm_ms:.2f}", f"{alone_ms:.2f}",
                           f"{klm_ms - alone_ms:+.2f}")
         console.print(parts)
+    if r["waits"]:
+        waits = Table(title=(
+            "--waits: the gradient all-reduce (flatten, scale, all-reduce) "
+            "timed on every process, ms per step (medians unless said)"))
+        for column in ("run", "adds", "all-reduce, process 0",
+                       "once all arrived (min)", "arrival spread (mean)",
+                       "steps"):
+            waits.add_column(column, justify="left" if column == "run" else "right")
+        for key, label, floor_key in (
+                ("klm", "klm over Keras alone", "keras_alone"),
+                ("torch_flat", "torch, one all-reduce, over torch alone",
+                 "torch_alone")):
+            w = r["waits"].get(key)
+            if w is None:
+                continue
+            waits.add_row(
+                label, f"{median[key] - median[floor_key]:.2f}",
+                f"{w['all_reduce_ms']:.2f}",
+                f"{w['after_all_arrived_ms']:.2f} "
+                f"({w['after_all_arrived_min_ms']:.2f})",
+                f"{w['arrival_spread_ms']:.2f}", str(w["steps"]))
+        waits.add_row("DDP over torch alone",
+                      f"{median['ddp'] - median['torch_alone']:.2f}",
+                      "", "", "", "")
+        console.print(waits)
     if r["profile"]:
         console.print(f"cProfile of process 0, {args.profile} klm steps, "
                       f"{args.profile_clock} time:")
