@@ -263,16 +263,16 @@ def sum_over(tensors, groups, scale=1.0, scaled=None):
     per group for all of them, the first `scaled` of them (all by default)
     multiplied by `scale` first."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    sizes = [t.numel() for t in tensors]
     if scale != 1.0:
-        count = sum(t.numel() for t in tensors[:scaled])
-        flat[:count].mul_(scale)
+        if scaled is None or scaled == len(tensors):
+            flat.mul_(scale)
+        else:
+            flat[:sum(sizes[:scaled])].mul_(scale)
     for group in groups:
         torch.distributed.all_reduce(flat, group=group)
-    result, start = [], 0
-    for t in tensors:
-        result.append(flat[start:start + t.numel()].view(t.shape))
-        start += t.numel()
-    return result
+    return [piece.view(t.shape)
+            for piece, t in zip(torch.split(flat, sizes), tensors)]
 
 
 def stepping():
@@ -287,18 +287,18 @@ def reduce_gradients(grads):
     The metric increments the step made so far (the loss tracker's) are
     summed in the same all-reduce where their dtype is the gradients'."""
     step = _STEPPING[0]
-    present = [i for i, g in enumerate(grads) if g is not None]
+    values = step.scope.state_mapping
     result = list(grads)
     by_dtype = {}
-    for i in present:
-        by_dtype.setdefault(grads[i].dtype, []).append(i)
+    for i, g in enumerate(grads):
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(i)
     for dtype, indices in by_dtype.items():
         counted = [v for v in step.metric_variables
-                   if step.scope.state_mapping[id(v)].dtype == dtype
-                   and id(v) not in step.summed]
-        increments = [step.scope.state_mapping[id(v)] for v in counted]
+                   if values[id(v)].dtype == dtype and id(v) not in step.summed]
+        increments = [values[id(v)] for v in counted]
         summed = sum_over([grads[i].detach() for i in indices] + increments,
-                           step.groups, step.scale, len(indices))
+                          step.groups, step.scale, len(indices))
         for i, g in zip(indices, summed):
             result[i] = g
         for variable, increment, total in zip(
@@ -335,20 +335,27 @@ def run(model, step, batch):
     metrics = step.metric_variables
     counted = {id(v) for v in metrics}
     updated = model.optimizer.variables if step.training else ()
-    state = [v for v in (*model.variables, *updated) if id(v) not in counted]
     trainable = ({id(v) for v in model.trainable_variables} if step.training
-                 else set())
-    mapping = {}
-    for variable in state:
+                 else ())
+    mapping, state = {}, []
+    for variable in (*model.variables, *updated):
+        key = id(variable)
+        if key in counted:
+            continue
         local = variable._value._local_tensor
-        if id(variable) in trainable:
+        if key in trainable:
             local = local.detach().requires_grad_(True)
-        mapping[id(variable)] = local
+        mapping[key] = local
+        state.append((key, variable, local))
     for variable in metrics:
         mapping[id(variable)] = torch.zeros_like(variable._value._local_tensor)
     scope = step.scope = StatelessScope()
-    scope.state_mapping = dict(mapping)
-    local_batch = tree.map_structure(_local, batch)
+    scope.state_mapping = mapping
+    if type(batch) is tuple and all(x is None or isinstance(x, Piece)
+                                    for x in batch):
+        local_batch = tuple(_local(x) for x in batch)  # as tree.map_structure
+    else:
+        local_batch = tree.map_structure(_local, batch)
     _STEPPING[0] = step
     try:
         with scope:
@@ -362,9 +369,10 @@ def run(model, step, batch):
         totals = _metric_sums(step)
         for variable in metrics:
             variable._value._local_tensor.add_(totals[id(variable)])
-        for variable in state:
-            new = scope.state_mapping[id(variable)]
-            if new is not mapping[id(variable)]:
+        after = scope.state_mapping
+        for key, variable, local in state:
+            new = after[key]
+            if new is not local:
                 variable._value._local_tensor.copy_(new)
     # The logs, read from the metrics' (replicated) local tensors.
     reading = StatelessScope()
