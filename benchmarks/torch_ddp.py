@@ -9,12 +9,13 @@ prints what process 0 measured. In those P processes:
 
 - **klm**: `klm.configure_virtual_devices(P)` joins the gloo process group;
   the MLP (Dense 64 -> 512 -> 512 -> 10, Adam 1e-3, sparse categorical
-  cross-entropy from logits, no metric) is built and compiled under
-  `klm.DataParallel(klm.create_mesh([("batch", P)]))`: its weights are
+  cross-entropy from logits, no metric unless `--metrics`) is built and
+  compiled under `klm.DataParallel(klm.create_mesh([("batch", P)]))`: its
+  weights are
   replicated DTensor parameters, and `model.fit` on numpy arrays (every
   process passes the same global data) runs Keras' own `train_step` on each
   process's share of each global batch of 256, with plain tensors, the
-  gradients and the loss tracker's sums taken in one all-reduce
+  gradients and the metrics' sums taken in one all-reduce
   (`backends/torch/local_step.py`; its first step per batch shape runs on
   DTensors);
 - **DDP**: the same model in plain torch (`nn.Sequential` of `Linear` /
@@ -86,7 +87,7 @@ is within noise of 0 and R is not meaningful: read the two differences.
 
 Run: python benchmarks/torch_ddp.py [--processes 2] [--steps 40] [--rounds 4]
 [--hidden 512]
-[--parts 4] [--waits] [--profile 20 [--profile-stats FILE]]
+[--metrics accuracy] [--parts 4] [--waits] [--profile 20 [--profile-stats FILE]]
 """
 
 import argparse
@@ -206,7 +207,7 @@ def worker(args):
     y = rng.integers(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
 
     with klm.DataParallel(klm.create_mesh([("batch", args.processes)])).scope():
-        model = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
+        model = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=args.metrics)
     kernel = model.get_layer("d0").kernel
     local_shape = tuple(klm.unpack(kernel)[0].shape)
     placement = (f"{type(kernel.value).__name__} {klm.fetch_layout(kernel)}, "
@@ -222,7 +223,7 @@ def worker(args):
     mine = np.concatenate([np.arange(i * GLOBAL_BATCH + rank * local,
                                      i * GLOBAL_BATCH + (rank + 1) * local)
                            for i in range(steps)])
-    keras_alone = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
+    keras_alone = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=args.metrics)
     net_alone = build_torch(torch, keras_alone)
     optimizer_alone = torch.optim.Adam(net_alone.parameters(), lr=1e-3, eps=1e-7)
 
@@ -370,7 +371,7 @@ def worker(args):
     # ReLU unit's pre-activation sits within rounding of 0 for a sample:
     # the two runs then take that sample through the unit differently, and
     # Adam (which normalises each update) carries the difference on.
-    single = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=())
+    single = build_mlp(SEED, FEATURES, hidden, CLASSES, metrics=args.metrics)
     single_loss = single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                              shuffle=False, verbose=0).history["loss"][0]
 
@@ -476,6 +477,11 @@ def main():
                         help=f"processes, one CPU device each (default {PROCESSES})")
     parser.add_argument("--hidden", type=int, default=512,
                         help="width of the two hidden layers (default 512)")
+    parser.add_argument("--metrics", nargs="*", default=[], metavar="METRIC",
+                        help="metrics the Keras runs (klm, Keras alone) compile, "
+                        "e.g. accuracy (default none); the torch runs compute "
+                        "none, so R then says what klm adds to a Keras step "
+                        "with metrics")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then profile N klm steps on process 0")
     parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
@@ -523,6 +529,7 @@ def main():
                    "--worker", "--out", out, "--steps", str(args.steps),
                    "--skip", str(args.skip), "--rounds", str(args.rounds),
                    "--hidden", str(args.hidden),
+                   "--metrics", *args.metrics,
                    "--processes", str(args.processes),
                    "--profile", str(args.profile),
                    "--profile-clock", args.profile_clock,
@@ -540,7 +547,8 @@ def main():
     cores = os.cpu_count()
     table = Table(title=(
         f"data-parallel fit, {args.processes} processes x 1 CPU device (gloo), "
-        f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, Adam, global batch "
+        f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, Adam, "
+        f"metrics {args.metrics or 'none'}, global batch "
         f"{GLOBAL_BATCH}; OMP_NUM_THREADS=1 per process, {cores} cores; "
         f"{args.rounds} rounds x {args.steps} timed steps"))
     for column in ("run", "first step (ms)", "median step (ms)",

@@ -116,6 +116,55 @@ def test_a_batch_the_axis_does_not_divide_runs_whole_on_every_process(digits):
     assert_same_weights(model.get_weights(), reference.get_weights())
 
 
+def test_a_training_step_with_compiled_metrics_takes_one_all_reduce(
+        digits, monkeypatch):
+    """Keras updates compiled metrics after the optimizer's update; their
+    increments still go in the gradients' all-reduce, so a local training
+    step is one collective (each more is one more wait for the slowest
+    process), with one process's logs and weights. Evaluation: one too."""
+    import torch.distributed
+
+    x, y, weights = digits
+    metrics = ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)]
+    reference = digits_net(metrics=metrics)
+    model = on_mesh(lambda: digits_net(metrics=[
+        "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)]))
+    for net in (reference, model):  # the first step of each shape: DTensors
+        net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    before = local_steps(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                        verbose=0, sample_weight=weights).history
+    steps = local_steps(model) - before
+    assert steps == STEPS // EPOCHS
+    assert len(calls) == steps
+    model.evaluate(x, y, batch_size=BATCH, verbose=0)  # first steps: DTensors
+    calls.clear()
+    before = local_steps(model, training=False)
+    got = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert local_steps(model, training=False) - before == STEPS // EPOCHS
+    assert len(calls) == STEPS // EPOCHS
+    monkeypatch.undo()
+    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                verbose=0, sample_weight=weights).history
+    expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0,
+                                  return_dict=True)
+    assert_same_history(history, ref_history)
+    assert set(history) == {"loss", "accuracy", "sparse_top_k_categorical_accuracy"}
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5,
+                                   err_msg=name)
+
+
 def two_outputs():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))

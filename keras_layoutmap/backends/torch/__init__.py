@@ -97,6 +97,9 @@ def install():
             Trainer.get_metrics_result, Trainer)
     Trainer.get_metrics_result = local_step.wrap_get_metrics_result(
         Trainer.get_metrics_result)
+    Trainer.compute_loss = local_step.wrap_compute_loss(Trainer.compute_loss)
+    Trainer.compute_metrics = local_step.wrap_compute_metrics(
+        Trainer.compute_metrics)
     # 3.15's iterator already gives host batches; 3.16's places ModelParallel
     # ones itself.
     if keras_torch.TorchEpochIterator is not None:

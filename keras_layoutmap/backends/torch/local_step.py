@@ -14,9 +14,14 @@ Then, as `DistributedDataParallel` does:
   before the optimizer's update, which every process then makes alike;
 - **metrics**: every metric variable starts the step at zero, so what the
   step leaves in it is this process's increment; the increments are summed
-  over the same processes and added to the variables. The loss tracker's
-  (updated before the optimizer's update) go in the gradients' all-reduce;
-  the compiled metrics' (updated after it) in one more.
+  over the same processes and added to the variables, in the gradients'
+  all-reduce: the loss tracker's (updated before the optimizer's update)
+  and the compiled metrics', which Keras updates after it from the step's
+  targets and predictions. Those do not change with the update, so the
+  compiled metrics are updated from them just before the sum
+  (`compute_loss` kept them) and Keras' own `compute_metrics` after the
+  update leaves them be: a training step takes one collective. (An
+  evaluation step sums its metrics' increments in one all-reduce after.)
 
 This gives one device's numbers (to float rounding: sums taken in another
 order) only where the loss is a mean over rows and the metrics are sums
@@ -67,10 +72,11 @@ _CHECKED = weakref.WeakKeyDictionary()
 class _Step:
     """How one local step sums over processes."""
 
-    __slots__ = ("training", "groups", "scale", "metric_variables", "scope",
-                 "summed")
+    __slots__ = ("model", "training", "groups", "scale", "metric_variables",
+                 "scope", "summed", "targets", "metrics_updated")
 
-    def __init__(self, training, groups, scale, metric_variables):
+    def __init__(self, model, training, groups, scale, metric_variables):
+        self.model = model
         self.training = training  # a train_step, else a test_step
         self.groups = groups  # process groups of the mesh dims that split rows
         self.scale = scale  # this process's rows / the global batch's rows
@@ -79,6 +85,10 @@ class _Step:
         # {id(metric variable): (its increment, summed)} summed with the
         # gradients
         self.summed = {}
+        # (y, y_pred, sample_weight) of the model's loss, for its compiled
+        # metrics; whether they were updated from them before the sum
+        self.targets = None
+        self.metrics_updated = False
 
 
 def _keras_own(obj):
@@ -251,7 +261,8 @@ def prepare(model, batch, training=True):
                       if isinstance(leaf, Piece)).local.shape[0]
     steps = _STEPS.setdefault(model, {})
     steps[training, key] = steps.get((training, key), 0) + 1
-    return _Step(training, groups, local_rows / plan.rows, metric_variables)
+    return _Step(model, training, groups, local_rows / plan.rows,
+                 metric_variables)
 
 
 def _local(x):
@@ -287,6 +298,12 @@ def reduce_gradients(grads):
     The metric increments the step made so far (the loss tracker's) are
     summed in the same all-reduce where their dtype is the gradients'."""
     step = _STEPPING[0]
+    compiled = step.model._compile_metrics
+    if step.targets is not None and compiled is not None:
+        # Keras would update them after the optimizer's update, from these
+        # same values: now, so that their increments join the sum.
+        compiled.update_state(*step.targets)
+        step.metrics_updated = True
     values = step.scope.state_mapping
     result = list(grads)
     by_dtype = {}
@@ -379,6 +396,37 @@ def run(model, step, batch):
     reading.state_mapping = {id(v): v._value._local_tensor for v in metrics}
     with reading:
         return model.get_metrics_result()
+
+
+def wrap_compute_loss(original):
+    """`compute_loss`: in a local training step, the model's targets,
+    predictions and sample weights are kept for its compiled metrics."""
+
+    @functools.wraps(original)
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        step = _STEPPING[0]
+        if (step is not None and step.training and self is step.model
+                and step.targets is None):
+            step.targets = (y, y_pred, sample_weight)
+        return original(self, x, y, y_pred, sample_weight, training=training)
+
+    return compute_loss
+
+
+def wrap_compute_metrics(original):
+    """`compute_metrics`: in a local training step whose compiled metrics
+    were updated before the gradients' sum, nothing more (the logs are read
+    once the sums are in)."""
+
+    @functools.wraps(original)
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        step = _STEPPING[0]
+        if step is not None and step.metrics_updated and self is step.model:
+            return {}
+        return original(self, x, y, y_pred, sample_weight=sample_weight)
+
+    return compute_metrics
 
 
 def wrap_get_metrics_result(original):
