@@ -295,11 +295,14 @@ def reduce_gradients(grads):
     """This process's gradients (of its rows' mean loss) as the global
     batch's: scaled by its share of the rows, summed over the processes.
 
-    The metric increments the step made so far (the loss tracker's) are
-    summed in the same all-reduce where their dtype is the gradients'."""
+    The metric increments are summed in the same all-reduce where their
+    dtype is the gradients': the loss tracker's, and the compiled
+    metrics', updated here (once a step) from the targets and predictions
+    `compute_loss` kept."""
     step = _STEPPING[0]
     compiled = step.model._compile_metrics
-    if step.targets is not None and compiled is not None:
+    if (step.targets is not None and compiled is not None
+            and not step.metrics_updated):
         # Keras would update them after the optimizer's update, from these
         # same values: now, so that their increments join the sum.
         compiled.update_state(*step.targets)
