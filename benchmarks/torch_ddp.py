@@ -271,7 +271,7 @@ def worker(args):
                                   shuffle=False, verbose=0, callbacks=[timer])
         return timer.times, timer.cpu, history.history["loss"][0]
 
-    def fit_torch(module, opt):
+    def fit_torch(module, opt, sum_gradients=None):
         times, cpu = [], []
         for i in range(steps):
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -280,43 +280,30 @@ def worker(args):
             opt.zero_grad()
             loss = loss_fn(module(xt[rows]), yt[rows])
             loss.backward()
+            if sum_gradients is not None:
+                sum_gradients(module)
             opt.step()
             loss.item()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
         return times, cpu, None
 
-    net_flat = build_torch(torch, model)
-    optimizer_flat = torch.optim.Adam(net_flat.parameters(), lr=1e-3, eps=1e-7)
-    flat_params = list(net_flat.parameters())
-
-    def fit_torch_flat():
+    def sum_in_one_all_reduce(module):
         """klm's mechanism in plain torch: each process's gradients,
         scaled by its share of the rows, summed in one flat all-reduce."""
-        times, cpu = [], []
-        for i in range(steps):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            rows = slice(i * GLOBAL_BATCH + rank * local,
-                         i * GLOBAL_BATCH + (rank + 1) * local)
-            optimizer_flat.zero_grad()
-            loss = loss_fn(net_flat(xt[rows]), yt[rows])
-            loss.backward()
-            entered = time.perf_counter()
-            flat = torch.cat([p.grad.reshape(-1) for p in flat_params])
-            flat.mul_(local / GLOBAL_BATCH)
-            dist.all_reduce(flat)
-            left = time.perf_counter()
-            offset = 0
-            for p in flat_params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            optimizer_flat.step()
-            loss.item()
-            end = time.perf_counter()
-            times.append(end - start)
-            cpu.append(time.process_time() - start_cpu)
-            waits["torch_flat"].append({"in": entered, "out": left})
-        return times, cpu, None
+        params = list(module.parameters())
+        entered = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat.mul_(local / GLOBAL_BATCH)
+        dist.all_reduce(flat)
+        waits["torch_flat"].append({"in": entered, "out": time.perf_counter()})
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    net_flat = build_torch(torch, model)
+    optimizer_flat = torch.optim.Adam(net_flat.parameters(), lr=1e-3, eps=1e-7)
 
     def recorded(name, fit):
         if not args.waits:
@@ -337,7 +324,8 @@ def worker(args):
         "torch_alone": lambda: fit_torch(net_alone, optimizer_alone),
     }
     if args.waits:
-        runs["torch_flat"] = fit_torch_flat
+        runs["torch_flat"] = lambda: fit_torch(net_flat, optimizer_flat,
+                                               sum_in_one_all_reduce)
 
     def ddp_weights():
         found = []
