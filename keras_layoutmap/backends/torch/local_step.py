@@ -1,11 +1,11 @@
 """Keras' own training step on each process's rows, with plain tensors.
 
-Where a data-parallel step qualifies (below), `fit` runs Keras' own
-`train_step` (and `evaluate` its `test_step`) on this process's pieces of
-the batch, under a
-`keras.StatelessScope` that maps every model, optimizer and metric variable
-to a plain local tensor: the forward pass, the loss, the backward pass and
-the optimizer's update are torch's own ops, with no DTensor in between.
+Where a data-parallel step qualifies (`local_step_conditions`), `fit` runs
+Keras' own `train_step` (and `evaluate` its `test_step`) on this process's
+pieces of the batch, under a `keras.StatelessScope` that maps every model,
+optimizer and metric variable to a plain local tensor: the forward pass,
+the loss, the backward pass and the optimizer's update are torch's own
+ops, with no DTensor in between.
 Then, as `DistributedDataParallel` does:
 
 - **gradients**: each process's gradient of its rows' loss, scaled by its
@@ -23,50 +23,28 @@ Then, as `DistributedDataParallel` does:
   update leaves them be: a training step takes one collective. (An
   evaluation step sums its metrics' increments in one all-reduce after.)
 
-This gives one device's numbers (to float rounding: sums taken in another
-order) only where the loss is a mean over rows and the metrics are sums
-over rows. So a step is local only when all of this holds, else it runs on
-DTensors as before (`training.wrap_make_function`):
-
-- the model's `train_step` (`test_step`), `compute_loss`, `compute_metrics` and
-  `get_metrics_result` are Keras' own, and it is not `jit_compile`d;
-- the model call for the batch's inputs runs locally (`local_pieces`: all
-  weights replicated, no batch statistics, no random draws, no added loss)
-  and returns no mask, decided at an earlier call with these inputs, and
-  the optimizer, the compiled loss and the compiled metrics are built (so
-  the first step of each batch shape runs on DTensors);
-- every compiled loss is one of Keras' own with a mean over the batch
-  (`sum_over_batch_size`); the model adds no loss (`model.losses` empty);
-- every compiled metric is one of Keras' own classes (a function metric:
-  one of Keras' own functions), each a sum over rows;
-- the optimizer's and the metrics' variables are replicated on the mesh;
-- x, y and sample weights are split by rows alike, and every process has
-  at least one row.
+This gives one device's numbers only where the loss is a mean over rows
+and the metrics are sums over rows: any other step runs on DTensors as
+before (`training.wrap_make_function`).
 
 `KLM_TORCH_LOCAL_PIECES=0` turns this off with the rest of the fast path.
 """
 
 import functools
-import math
 import weakref
 
 import torch
 from keras import tree
 from keras.utils import unpack_x_y_sample_weight
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from keras_layoutmap.backends.torch import local_pieces
-from keras_layoutmap.backends.torch.keras_internals import Trainer
+from keras_layoutmap.backends.torch import local_step_conditions as conditions
 from keras_layoutmap.keras_internals import StatelessScope
 
 _STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
-_KERAS_METHODS = ("compute_loss", "_compute_loss", "compute_metrics",
-                  "get_metrics_result")
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 # model -> {(training, plan key): local steps run} (for tests)
 _STEPS = weakref.WeakKeyDictionary()
-# model -> {training: (token, metric variables)}
-_CHECKED = weakref.WeakKeyDictionary()
 
 
 class _Step:
@@ -89,67 +67,6 @@ class _Step:
         # metrics; whether they were updated from them before the sum
         self.targets = None
         self.metrics_updated = False
-
-
-def _keras_own(obj):
-    return type(obj).__module__.startswith("keras.src.")
-
-
-def _keras_function(fn):
-    return getattr(fn, "__module__", "").startswith("keras.src.")
-
-
-def _mean_loss(loss):
-    """A compiled loss that is one of Keras' own means over the batch."""
-    if not _keras_own(loss) or getattr(loss, "reduction", None) not in _MEAN_REDUCTIONS:
-        return False
-    fn = getattr(loss, "fn", None)
-    return fn is None or _keras_function(fn)
-
-
-def _losses_are_row_means(model):
-    compiled = getattr(model, "_compile_loss", None)
-    if compiled is None or not getattr(compiled, "built", False):
-        return False
-    flat = getattr(compiled, "_flat_losses", None)
-    if not flat:
-        return False
-    return all(_mean_loss(entry[1]) for entry in flat)
-
-
-def _metrics_are_row_sums(model):
-    compiled = getattr(model, "_compile_metrics", None)
-    if compiled is None:
-        return True
-    if not getattr(compiled, "built", False):
-        return False
-    for metric in compiled.metrics:
-        if not _keras_own(metric):
-            return False
-        fn = getattr(metric, "_fn", None)
-        if fn is not None and not _keras_function(fn):
-            return False
-    return True
-
-
-def _is_replicated_on(value, mesh):
-    return (isinstance(value, DTensor) and value.device_mesh == mesh
-            and all(isinstance(p, Replicate) for p in value.placements))
-
-
-def _smallest_piece(rows, placements, mesh):
-    """The fewest rows any process holds of `rows` split by `placements`
-    (None: split over more than one mesh dim)."""
-    sizes = [mesh.size(dim) for dim, p in enumerate(placements)
-             if isinstance(p, Shard)]
-    if not sizes:
-        return rows
-    if len(sizes) > 1:
-        return None
-    # torch's Shard: pieces of ceil(rows / n) rows, the last ones shorter.
-    n = sizes[0]
-    chunk = math.ceil(rows / n)
-    return max(0, rows - (n - 1) * chunk)
 
 
 class Piece:
@@ -176,13 +93,18 @@ class Piece:
         return (self.shape, self.dtype, self.placements, id(self.device_mesh))
 
 
+def _flat_pieces(structure):
+    """Whether `structure` is a tuple of Pieces and Nones, nothing nested."""
+    return type(structure) is tuple and all(
+        x is None or isinstance(x, Piece) for x in structure)
+
+
 def _leaves(structure):
     """`tree.flatten(structure)`, faster where it is a Piece, None or a
     tuple of them."""
     if structure is None or isinstance(structure, Piece):
         return [structure]
-    if type(structure) is tuple and all(
-            x is None or isinstance(x, Piece) for x in structure):
+    if _flat_pieces(structure):
         return list(structure)
     return tree.flatten(structure)
 
@@ -191,46 +113,10 @@ def _entry(x):
     return x.entry() if isinstance(x, Piece) else None
 
 
-def _checked(model, plan, training):
-    """The metric variables when what a step does besides the model call
-    allows a local step (the losses, the metrics, where the variables
-    live), else None; kept per model until the plan, the compiled loss and
-    metrics or the optimizer change."""
-    updated = model.optimizer.variables if training else ()
-    token = (plan, id(model._compile_loss), id(model._compile_metrics),
-             id(model.optimizer), tuple(id(v._value) for v in updated))
-    found = _CHECKED.setdefault(model, {})
-    if training in found and found[training][0] == token:
-        return found[training][1]
-    metric_variables = None
-    if ((model.trainable_variables or not training) and not model.losses
-            and _losses_are_row_means(model) and _metrics_are_row_sums(model)):
-        metric_variables = [v for m in model.metrics for v in m.variables]
-        if not all(_is_replicated_on(v._value, plan.mesh)
-                   for v in (*updated, *metric_variables)):
-            metric_variables = None
-    found[training] = (token, metric_variables)
-    return metric_variables
-
-
-def may_run(model, training=True):
-    """Whether the model's training (or evaluation) steps may run locally
-    at all: the checks that need no batch."""
-    if not local_pieces.ENABLED or getattr(model, "jit_compile", False) is True:
-        return False
-    method = "train_step" if training else "test_step"
-    if any(getattr(type(model), name, None) is not getattr(Trainer, name, None)
-           for name in (method, *_KERAS_METHODS)):
-        return False
-    optimizer = getattr(model, "optimizer", None)
-    if training and (optimizer is None or not optimizer.built):
-        return False
-    return local_pieces.has_local_plan(model)
-
-
 def prepare(model, batch, training=True):
     """A `_Step` when this batch's training step (`training`) or evaluation
-    step may run locally, else None; `may_run` said it may at all.
+    step may run locally, else None; `conditions.may_run` said it may at
+    all.
 
     `batch`: Keras' (x, y, sample_weight) with every tensor a `Piece`. The
     model call for its inputs must have run locally before (in an earlier
@@ -250,9 +136,9 @@ def prepare(model, batch, training=True):
                 and leaf.placements == plan.placements
                 and len(leaf.shape) > 0 and leaf.shape[0] == plan.rows):
             return None
-    if not _smallest_piece(plan.rows, plan.placements, plan.mesh):
+    if not conditions.smallest_piece(plan.rows, plan.placements, plan.mesh):
         return None
-    metric_variables = _checked(model, plan, training)
+    metric_variables = conditions.metric_variables(model, plan, training)
     if metric_variables is None:
         return None
     groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
@@ -371,8 +257,7 @@ def run(model, step, batch):
         mapping[id(variable)] = torch.zeros_like(variable._value._local_tensor)
     scope = step.scope = StatelessScope()
     scope.state_mapping = mapping
-    if type(batch) is tuple and all(x is None or isinstance(x, Piece)
-                                    for x in batch):
+    if _flat_pieces(batch):
         local_batch = tuple(_local(x) for x in batch)  # as tree.map_structure
     else:
         local_batch = tree.map_structure(_local, batch)

@@ -21,7 +21,12 @@ from keras import distribution as keras_distribution
 from keras import tree
 from torch.distributed.tensor import DTensor, Partial
 
-from keras_layoutmap.backends.torch import local_pieces, local_step, processes
+from keras_layoutmap.backends.torch import (
+    local_pieces,
+    local_step,
+    local_step_conditions,
+    processes,
+)
 from keras_layoutmap.backends.torch.gradients import summed
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
@@ -177,7 +182,7 @@ def wrap_make_function(original, attribute):
             try:
                 training = attribute == "train_function"
                 if (attribute != "predict_function" and len(data) == 1
-                        and local_step.may_run(self, training)):
+                        and local_step_conditions.may_run(self, training)):
                     pieces = batch_pieces(data[0], dist)
                     local = pieces and local_step.prepare(self, pieces, training)
                     if local:  # its logs are plain tensors already
