@@ -165,6 +165,35 @@ def test_a_training_step_with_compiled_metrics_takes_one_all_reduce(
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("optimizer", [
+    "adam", "adam, loss_scale_factor", "LossScaleOptimizer"])
+def test_each_process_gradient_is_scaled_by_its_share_of_the_rows_once(
+        digits, optimizer):
+    """Each process's gradient of its rows' mean loss counts by its share
+    of the global batch: through the optimizer's `scale_loss` (the loss
+    multiplied by it), else, where an optimizer's own `scale_loss` does not
+    call Keras' (`LossScaleOptimizer`), when the gradients are summed.
+    Either way exactly once: weights and optimizer states equal one
+    process's."""
+
+    def make():
+        if optimizer == "adam":
+            return keras.optimizers.Adam(1e-2)
+        if optimizer == "adam, loss_scale_factor":
+            return keras.optimizers.Adam(1e-2, loss_scale_factor=8.0)
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+
+    reference = digits_net(make())
+    ref_history = fit(reference, digits)
+    model = on_mesh(lambda: digits_net(make()))
+    history = fit(model, digits)
+    assert local_steps(model) == STEPS - FIRST_STEPS
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    assert_same_weights([v.numpy() for v in model.optimizer.variables],
+                        [v.numpy() for v in reference.optimizer.variables])
+
+
 def two_outputs():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))

@@ -131,6 +131,7 @@ def install():
             getattr(keras_torch.nn, name), kernels, split, data_format))
     Optimizer = keras_torch.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)
+    Optimizer.scale_loss = local_step.wrap_scale_loss(Optimizer.scale_loss)
     # A batch the batch axis does not divide, through kernels split over it.
     Variable.value = whole_batch.wrap_value(Variable.value)
     for layer in (keras.layers.Dense, keras.layers.EinsumDense):

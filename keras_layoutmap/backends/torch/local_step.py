@@ -9,9 +9,11 @@ ops, with no DTensor in between.
 Then, as `DistributedDataParallel` does:
 
 - **gradients**: each process's gradient of its rows' loss, scaled by its
-  share of the rows, is summed over the processes that split the batch in
-  one all-reduce per dtype (`reduce_gradients`, from `optimizer.apply`),
-  before the optimizer's update, which every process then makes alike;
+  share of the rows (the loss is, in the optimizer's `scale_loss`), is
+  summed over the processes that split the batch in one all-reduce per
+  dtype (`reduce_gradients`, from `optimizer.apply`), in a flat buffer kept
+  between steps, before the optimizer's update, which every process then
+  makes alike;
 - **metrics**: every metric variable starts the step at zero, so what the
   step leaves in it is this process's increment; the increments are summed
   over the same processes and added to the variables, in the gradients'
@@ -45,13 +47,17 @@ from keras_layoutmap.keras_internals import StatelessScope
 _STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
 # model -> {(training, plan key): local steps run} (for tests)
 _STEPS = weakref.WeakKeyDictionary()
+# model -> the flat buffers its steps sum in, kept between steps
+# (`sum_over`)
+_BUFFERS = weakref.WeakKeyDictionary()
 
 
 class _Step:
     """How one local step sums over processes."""
 
     __slots__ = ("model", "training", "groups", "scale", "metric_variables",
-                 "scope", "summed", "targets", "metrics_updated")
+                 "scope", "summed", "targets", "metrics_updated",
+                 "loss_scaled", "buffers")
 
     def __init__(self, model, training, groups, scale, metric_variables):
         self.model = model
@@ -67,6 +73,10 @@ class _Step:
         # metrics; whether they were updated from them before the sum
         self.targets = None
         self.metrics_updated = False
+        # whether the loss was multiplied by `scale` (`scale_loss`), so
+        # that the gradients come scaled
+        self.loss_scaled = False
+        self.buffers = _BUFFERS.setdefault(model, {})
 
 
 class Piece:
@@ -155,21 +165,47 @@ def _local(x):
     return x.local if isinstance(x, Piece) else x
 
 
-def sum_over(tensors, groups, scale=1.0, scaled=None):
+def _flat_views(tensors, buffers, purpose):
+    """(flat, views): a flat buffer for `tensors` (plain, one dtype and
+    device) and its pieces shaped as they are. Kept in `buffers` (a dict),
+    by `purpose` and the tensors' shapes, for the next step; new each call
+    where `buffers` is None."""
+    first = tensors[0]
+    key = (purpose, first.dtype, first.device, *(t.shape for t in tensors))
+    found = buffers.get(key) if buffers is not None else None
+    if found is None:
+        sizes = [t.numel() for t in tensors]
+        flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        found = (flat, tuple(piece.view(t.shape) for piece, t in
+                             zip(torch.split(flat, sizes), tensors)))
+        if buffers is not None:
+            buffers[key] = found
+    return found
+
+
+def sum_over(tensors, groups, scale=1.0, scaled=None, buffers=None,
+             purpose=None):
     """`tensors` (plain, one dtype) summed over `groups` in one all-reduce
     per group for all of them, the first `scaled` of them (all by default)
-    multiplied by `scale` first."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    sizes = [t.numel() for t in tensors]
-    if scale != 1.0:
-        if scaled is None or scaled == len(tensors):
-            flat.mul_(scale)
+    multiplied by `scale` first.
+
+    The sums are views of one flat buffer: a new one, or, with `buffers`
+    (a dict), the one kept there for `purpose` and these shapes, which the
+    next such sum overwrites (as `DistributedDataParallel`'s gradients are
+    views of its buckets)."""
+    flat, views = _flat_views(tensors, buffers, purpose)
+    count = len(tensors) if scaled is None or scale == 1.0 else scaled
+    if count:
+        if scale == 1.0:
+            torch._foreach_copy_(views[:count], tensors[:count])
         else:
-            flat[:sum(sizes[:scaled])].mul_(scale)
+            for view, t in zip(views[:count], tensors[:count]):
+                torch.mul(t, scale, out=view)
+    if count < len(tensors):
+        torch._foreach_copy_(views[count:], tensors[count:])
     for group in groups:
         torch.distributed.all_reduce(flat, group=group)
-    return [piece.view(t.shape)
-            for piece, t in zip(torch.split(flat, sizes), tensors)]
+    return views
 
 
 def stepping():
@@ -194,6 +230,7 @@ def reduce_gradients(grads):
         compiled.update_state(*step.targets)
         step.metrics_updated = True
     values = step.scope.state_mapping
+    scale = 1.0 if step.loss_scaled else step.scale
     result = list(grads)
     by_dtype = {}
     for i, g in enumerate(grads):
@@ -204,7 +241,8 @@ def reduce_gradients(grads):
                    if values[id(v)].dtype == dtype and id(v) not in step.summed]
         increments = [values[id(v)] for v in counted]
         summed = sum_over([grads[i].detach() for i in indices] + increments,
-                          step.groups, step.scale, len(indices))
+                          step.groups, scale, len(indices), step.buffers,
+                          "gradients")
         for i, g in zip(indices, summed):
             result[i] = g
         for variable, increment, total in zip(
@@ -230,7 +268,8 @@ def _metric_sums(step):
     for variable, current in rest:
         by_dtype.setdefault(current.dtype, []).append((variable, current))
     for pairs in by_dtype.values():
-        totals = sum_over([c for _, c in pairs], step.groups)
+        totals = sum_over([c for _, c in pairs], step.groups,
+                          buffers=step.buffers, purpose="metrics")
         found.update((id(v), t) for (v, _), t in zip(pairs, totals))
     return found
 
@@ -300,6 +339,29 @@ def wrap_compute_loss(original):
         return original(self, x, y, y_pred, sample_weight, training=training)
 
     return compute_loss
+
+
+def wrap_scale_loss(original):
+    """The optimizer's `scale_loss`: in a local training step, the loss is
+    also multiplied by this process's share of the rows, so that its
+    gradients come scaled as the global batch's (exactly where the share
+    is a power of two, as with 2 or 4 processes on an even batch) and
+    their sum need not scale them again. An optimizer with a `scale_loss`
+    of its own that does not call this one (`LossScaleOptimizer`) leaves
+    the scaling to `reduce_gradients`."""
+
+    @functools.wraps(original)
+    def scale_loss(self, loss):
+        loss = original(self, loss)
+        step = _STEPPING[0]
+        if (step is not None and step.training and not step.loss_scaled
+                and self is step.model.optimizer):
+            step.loss_scaled = True
+            if step.scale != 1.0:
+                loss = loss * step.scale
+        return loss
+
+    return scale_loss
 
 
 def wrap_compute_metrics(original):
