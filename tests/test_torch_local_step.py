@@ -194,6 +194,34 @@ def test_each_process_gradient_is_scaled_by_its_share_of_the_rows_once(
                         [v.numpy() for v in reference.optimizer.variables])
 
 
+def test_a_loss_scale_optimizer_skips_a_step_on_every_process_alike(digits):
+    """A `LossScaleOptimizer` skips a step whose gradients overflow. Its
+    test must see the global batch's gradients: here only the first
+    process's rows overflow (one pixel of 1e37 in the second batch, so a
+    local step), and one device skips the step, halves its scale and goes
+    on. So must every process: a process deciding alone would skip the
+    all-reduce that the others wait in."""
+    x, y, _ = digits
+    x = x.copy()
+    x[BATCH + 3, 0] = 1e37  # the first process's rows of the second batch
+
+    def make():
+        return digits_net(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2)))
+
+    reference = make()
+    ref_history = fit(reference, (x, y, None))
+    model = on_mesh(make)
+    history = fit(model, (x, y, None))
+    assert local_steps(model) == STEPS - FIRST_STEPS
+    # one device halved its scale twice (each epoch's second batch)
+    assert float(reference.optimizer.dynamic_scale.numpy()) == 2.0 ** 13
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    assert_same_weights([v.numpy() for v in model.optimizer.variables],
+                        [v.numpy() for v in reference.optimizer.variables])
+
+
 def two_outputs():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
@@ -247,6 +275,15 @@ class OwnStep(keras.Model):
         return super().train_step(data)
 
 
+class ClippingAdam(keras.optimizers.Adam):
+    """Clips each gradient element before Adam sees it, in its own
+    `apply`: on one process's gradients, that is not one device's step."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = [keras.ops.clip(g, -1e-3, 1e-3) for g in grads]
+        return super().apply(grads, trainable_variables)
+
+
 NOT_ROW_MEANS = {  # digits_net's arguments, made for each model
     "a loss summed over the batch": lambda: dict(
         loss=keras.losses.SparseCategoricalCrossentropy(
@@ -259,6 +296,8 @@ NOT_ROW_MEANS = {  # digits_net's arguments, made for each model
     "a metric of the user's": lambda: dict(metrics=[batch_max_metric]),
     "a weight regularizer": lambda: dict(d1={"kernel_regularizer": "l2"}),
     "a train_step of the user's": lambda: dict(model_class=OwnStep),
+    "an optimizer's apply of the user's": lambda: dict(
+        optimizer=ClippingAdam(1e-2)),
 }
 
 

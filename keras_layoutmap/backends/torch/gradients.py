@@ -128,4 +128,28 @@ def wrap_apply(original):
         pairs = gradients_like_weights(pairs)
         return original(self, [g for g, _ in pairs], trainable_variables)
 
+    apply._klm_sums_gradients = True
+    return apply
+
+
+def wrap_outer_apply(original):
+    """`apply` of an optimizer that applies through others
+    (`LossScaleOptimizer`, after its test that the gradients are finite;
+    `MultiOptimizer`): in a local step the gradients are summed over the
+    processes before it looks at them, so every process decides alike (a
+    process skipping the step alone would skip the all-reduce that the
+    others wait in), in one all-reduce for all the optimizers it holds."""
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if not local_step.stepping() or local_pieces.APPLYING[0]:
+            return original(self, grads, trainable_variables)
+        local_pieces.APPLYING[0] = True
+        try:
+            return original(self, local_step.reduce_gradients(grads),
+                            trainable_variables)
+        finally:
+            local_pieces.APPLYING[0] = False
+
+    apply._klm_sums_gradients = True
     return apply

@@ -17,7 +17,9 @@ all of this holds, else it runs on DTensors as before
   (`sum_over_batch_size`); the model adds no loss (`model.losses` empty);
 - every compiled metric is one of Keras' own classes (a function metric:
   one of Keras' own functions), each a sum over rows;
-- the optimizer's and the metrics' variables are replicated on the mesh;
+- the optimizer's `apply` is Keras' own (which sums the gradients first),
+  and the optimizer's and the metrics' variables are replicated on the
+  mesh;
 - x, y and sample weights are split by rows alike, and every process has
   at least one row.
 
@@ -122,6 +124,14 @@ def metric_variables(model, plan, training):
     return metric_variables
 
 
+def _sums_gradients_first(optimizer):
+    """The optimizer's `apply` is Keras' own, which takes the gradients'
+    sum over the processes before anything else (`gradients.wrap_apply`):
+    an `apply` of a subclass's own could look at one process's gradients
+    first (clip them, test them), which is not one device's step."""
+    return getattr(type(optimizer).apply, "_klm_sums_gradients", False)
+
+
 def may_run(model, training=True):
     """Whether the model's training (or evaluation) steps may run locally
     at all: the checks that need no batch."""
@@ -132,6 +142,7 @@ def may_run(model, training=True):
            for name in (method, *_KERAS_METHODS)):
         return False
     optimizer = getattr(model, "optimizer", None)
-    if training and (optimizer is None or not optimizer.built):
+    if training and (optimizer is None or not optimizer.built
+                     or not _sums_gradients_first(optimizer)):
         return False
     return local_pieces.has_local_plan(model)
