@@ -132,10 +132,8 @@ def install():
     Optimizer = keras_torch.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)
     Optimizer.scale_loss = local_step.wrap_scale_loss(Optimizer.scale_loss)
-    for outer in (keras.optimizers.LossScaleOptimizer,
-                  getattr(keras.optimizers, "MultiOptimizer", None)):
-        if outer is not None and "apply" in vars(outer):
-            outer.apply = gradients.wrap_outer_apply(outer.apply)
+    for outer in keras_torch.OUTER_OPTIMIZERS:
+        outer.apply = gradients.wrap_outer_apply(outer.apply)
     # A batch the batch axis does not divide, through kernels split over it.
     Variable.value = whole_batch.wrap_value(Variable.value)
     for layer in (keras.layers.Dense, keras.layers.EinsumDense):

@@ -128,7 +128,6 @@ def wrap_apply(original):
         pairs = gradients_like_weights(pairs)
         return original(self, [g for g, _ in pairs], trainable_variables)
 
-    apply._klm_sums_gradients = True
     return apply
 
 
@@ -151,5 +150,4 @@ def wrap_outer_apply(original):
         finally:
             local_pieces.APPLYING[0] = False
 
-    apply._klm_sums_gradients = True
     return apply

@@ -10,6 +10,8 @@ and layouts, `distribute_tensor`, `distribute_data_input`), which 3.15 lacks
 `keras_layoutmap.backends.torch.keras_distribution` takes its place).
 """
 
+import keras
+
 from keras_layoutmap.keras_internals import modules_holding, optional, private
 
 core = private("keras.src.backend.torch.ops.core", "keras.src.backend.torch.core")
@@ -60,6 +62,11 @@ gather_non_batch_axes = optional(
     "keras.src.backend.torch.trainer:_gather_non_batch_axes")
 TorchOptimizer = private(
     "keras.src.backend.torch.optimizers.torch_optimizer:TorchOptimizer")
+# Keras' optimizers whose own `apply` applies through other optimizers.
+OUTER_OPTIMIZERS = tuple(
+    cls for cls in (keras.optimizers.LossScaleOptimizer,
+                    getattr(keras.optimizers, "MultiOptimizer", None))
+    if cls is not None and "apply" in vars(cls))
 
 # Keras' own torch distribution_lib (3.16+), else None.
 keras_distribution_lib = optional("keras.src.backend.torch.distribution_lib")

@@ -32,7 +32,11 @@ import weakref
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_layoutmap.backends.torch import local_pieces
-from keras_layoutmap.backends.torch.keras_internals import Trainer
+from keras_layoutmap.backends.torch.keras_internals import (
+    OUTER_OPTIMIZERS,
+    TorchOptimizer,
+    Trainer,
+)
 
 _KERAS_METHODS = ("compute_loss", "_compute_loss", "compute_metrics",
                   "get_metrics_result")
@@ -126,10 +130,12 @@ def metric_variables(model, plan, training):
 
 def _sums_gradients_first(optimizer):
     """The optimizer's `apply` is Keras' own, which takes the gradients'
-    sum over the processes before anything else (`gradients.wrap_apply`):
+    sum over the processes before anything else (`gradients.wrap_apply`,
+    `wrap_outer_apply`):
     an `apply` of a subclass's own could look at one process's gradients
     first (clip them, test them), which is not one device's step."""
-    return getattr(type(optimizer).apply, "_klm_sums_gradients", False)
+    owner = next(cls for cls in type(optimizer).__mro__ if "apply" in vars(cls))
+    return owner is TorchOptimizer or owner in OUTER_OPTIMIZERS
 
 
 def may_run(model, training=True):
