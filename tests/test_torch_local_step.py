@@ -194,6 +194,44 @@ def test_each_process_gradient_is_scaled_by_its_share_of_the_rows_once(
                         [v.numpy() for v in reference.optimizer.variables])
 
 
+def test_a_multi_optimizer_sums_all_its_gradients_in_one_all_reduce(
+        digits, monkeypatch):
+    """`MultiOptimizer` (Adam for d1, SGD for d2, each its own `apply`):
+    the gradients are summed once, for both, before either applies them."""
+    import torch.distributed
+
+    def make():
+        def pick(variable):
+            if variable.path.startswith("d1/"):
+                return keras.optimizers.Adam(1e-2)
+            return keras.optimizers.SGD(0.1)
+        return digits_net(keras.optimizers.MultiOptimizer(pick))
+
+    reference = make()
+    model = on_mesh(make)
+    x, y, _ = digits
+    for net in (reference, model):  # the first step of each shape: DTensors
+        net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    before = local_steps(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                        verbose=0).history
+    assert local_steps(model) - before == STEPS // EPOCHS
+    assert len(calls) == STEPS // EPOCHS
+    monkeypatch.undo()
+    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                verbose=0).history
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+
+
 def test_a_loss_scale_optimizer_skips_a_step_on_every_process_alike(digits):
     """A `LossScaleOptimizer` skips a step whose gradients overflow. Its
     test must see the global batch's gradients: here only the first
