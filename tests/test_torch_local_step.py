@@ -166,7 +166,8 @@ def test_a_training_step_with_compiled_metrics_takes_one_all_reduce(
 
 
 @pytest.mark.parametrize("optimizer", [
-    "adam", "adam, loss_scale_factor", "LossScaleOptimizer"])
+    "adam", "adam, loss_scale_factor", "LossScaleOptimizer",
+    "adam, gradient_accumulation_steps", "sgd, clipnorm"])
 def test_each_process_gradient_is_scaled_by_its_share_of_the_rows_once(
         digits, optimizer):
     """Each process's gradient of its rows' mean loss counts by its share
@@ -181,6 +182,10 @@ def test_each_process_gradient_is_scaled_by_its_share_of_the_rows_once(
             return keras.optimizers.Adam(1e-2)
         if optimizer == "adam, loss_scale_factor":
             return keras.optimizers.Adam(1e-2, loss_scale_factor=8.0)
+        if optimizer == "adam, gradient_accumulation_steps":
+            return keras.optimizers.Adam(1e-2, gradient_accumulation_steps=3)
+        if optimizer == "sgd, clipnorm":  # clips the global batch's gradients
+            return keras.optimizers.SGD(0.5, clipnorm=0.05)
         return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
 
     reference = digits_net(make())
