@@ -58,6 +58,22 @@ def fit(model, digits, sample_weight=False, y=None, **kwargs):
                      **kwargs).history
 
 
+def count_all_reduces(monkeypatch):
+    """The sizes of the `torch.distributed.all_reduce` calls from now on
+    (until `monkeypatch.undo()`)."""
+    import torch.distributed
+
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    return calls
+
+
 def on_mesh(build, mesh=None):
     with klm.DataParallel(mesh or dp_mesh()).scope():
         return build()
@@ -122,8 +138,6 @@ def test_a_training_step_with_compiled_metrics_takes_one_all_reduce(
     increments still go in the gradients' all-reduce, so a local training
     step is one collective (each more is one more wait for the slowest
     process), with one process's logs and weights. Evaluation: one too."""
-    import torch.distributed
-
     x, y, weights = digits
     metrics = ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)]
     reference = digits_net(metrics=metrics)
@@ -131,14 +145,7 @@ def test_a_training_step_with_compiled_metrics_takes_one_all_reduce(
         "accuracy", keras.metrics.SparseTopKCategoricalAccuracy(3)]))
     for net in (reference, model):  # the first step of each shape: DTensors
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    calls = []
-    all_reduce = torch.distributed.all_reduce
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].numel())
-        return all_reduce(*args, **kwargs)
-
-    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    calls = count_all_reduces(monkeypatch)
     before = local_steps(model)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                         verbose=0, sample_weight=weights).history
@@ -203,8 +210,6 @@ def test_a_multi_optimizer_sums_all_its_gradients_in_one_all_reduce(
         digits, monkeypatch):
     """`MultiOptimizer` (Adam for d1, SGD for d2, each its own `apply`):
     the gradients are summed once, for both, before either applies them."""
-    import torch.distributed
-
     def make():
         def pick(variable):
             if variable.path.startswith("d1/"):
@@ -217,14 +222,7 @@ def test_a_multi_optimizer_sums_all_its_gradients_in_one_all_reduce(
     x, y, _ = digits
     for net in (reference, model):  # the first step of each shape: DTensors
         net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    calls = []
-    all_reduce = torch.distributed.all_reduce
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].numel())
-        return all_reduce(*args, **kwargs)
-
-    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    calls = count_all_reduces(monkeypatch)
     before = local_steps(model)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                         verbose=0).history

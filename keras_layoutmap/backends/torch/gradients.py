@@ -101,6 +101,17 @@ def local_gradients(pairs, device_mesh):
             for index, (grad, _) in enumerate(pairs)]
 
 
+def _apply_summed(original, optimizer, grads, trainable_variables):
+    """`original` apply on a local step's gradients summed over the
+    processes; the applies it makes in turn take them as they are."""
+    local_pieces.APPLYING[0] = True
+    try:
+        return original(optimizer, local_step.reduce_gradients(grads),
+                        trainable_variables)
+    finally:
+        local_pieces.APPLYING[0] = False
+
+
 def wrap_apply(original):
     """`optimizer.apply`: gradients laid out like their weights first; on
     local copies where everything is replicated."""
@@ -112,12 +123,7 @@ def wrap_apply(original):
         if variables is None or local_pieces.APPLYING[0]:
             return original(self, grads, trainable_variables)
         if local_step.stepping():  # in a local step's scope: sum, then update
-            local_pieces.APPLYING[0] = True
-            try:
-                return original(self, local_step.reduce_gradients(grads),
-                                trainable_variables)
-            finally:
-                local_pieces.APPLYING[0] = False
+            return _apply_summed(original, self, grads, trainable_variables)
         pairs = list(zip(grads, variables))
         mesh = local_pieces.replicated_update_mesh(self, variables)
         if mesh is not None:
@@ -143,11 +149,6 @@ def wrap_outer_apply(original):
     def apply(self, grads, trainable_variables=None):
         if not local_step.stepping() or local_pieces.APPLYING[0]:
             return original(self, grads, trainable_variables)
-        local_pieces.APPLYING[0] = True
-        try:
-            return original(self, local_step.reduce_gradients(grads),
-                            trainable_variables)
-        finally:
-            local_pieces.APPLYING[0] = False
+        return _apply_summed(original, self, grads, trainable_variables)
 
     return apply
