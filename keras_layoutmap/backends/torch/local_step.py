@@ -194,15 +194,12 @@ def sum_over(tensors, groups, scale=1.0, scaled=None, buffers=None,
     next such sum overwrites (as `DistributedDataParallel`'s gradients are
     views of its buckets)."""
     flat, views = _flat_views(tensors, buffers, purpose)
-    count = len(tensors) if scaled is None or scale == 1.0 else scaled
-    if count:
-        if scale == 1.0:
-            torch._foreach_copy_(views[:count], tensors[:count])
-        else:
-            for view, t in zip(views[:count], tensors[:count]):
-                torch.mul(t, scale, out=view)
-    if count < len(tensors):
-        torch._foreach_copy_(views[count:], tensors[count:])
+    # the first `scaled` are multiplied into the buffer, the rest copied
+    scaled = 0 if scale == 1.0 else len(tensors) if scaled is None else scaled
+    for view, t in zip(views[:scaled], tensors[:scaled]):
+        torch.mul(t, scale, out=view)
+    if scaled < len(tensors):
+        torch._foreach_copy_(views[scaled:], tensors[scaled:])
     for group in groups:
         torch.distributed.all_reduce(flat, group=group)
     return views
