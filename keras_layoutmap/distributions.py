@@ -117,6 +117,8 @@ class _Resolving:
             strict.refuse_at_creation(self.layout_map, variable, layout,
                                       weight_keys(variable)[0])
         variable._klm_rule = source
+        if source is not None and self.layout_map is not None:
+            self.layout_map.note_placed(source)
         return layout
 
     def get_data_layout(self, data_shape):

@@ -125,16 +125,18 @@ def _checked_scope(layout_map, scope):
 def check_models(layout_map, models):
     """Raise `StrictModeError` for `layout_map`'s plan over the built ones of
     `models` (made under one scope of the map): a rule is unused when it
-    matches no weight of any of them. Models that pass are remembered."""
+    matches no weight of any of them, nor placed a weight of another model
+    built under the map. Models that pass are remembered."""
     models = _outermost([m for m in models if m is not None and _built(m)])
     if not models:
         return
     reports = [explain(m, layout_map) for m in models]
+    placed = layout_map.placed_rules()
     findings = {}
     for report in reports:
         for f in report.findings:
-            if f.kind != "unused_rule" or all(
-                    f.subject in r.unused_rules for r in reports):
+            if f.kind != "unused_rule" or (f.subject not in placed and all(
+                    f.subject in r.unused_rules for r in reports)):
                 findings.setdefault((f.kind, f.subject), f)
     if findings:
         raise StrictModeError(
@@ -145,7 +147,7 @@ def check_models(layout_map, models):
             list(findings.values()),
         )
     for model, report in zip(models, reports):
-        if not report.findings:
+        if not _less_placed(report.findings, layout_map):
             model._klm_strict_ok = _stamp(layout_map)
 
 
@@ -158,8 +160,25 @@ def check(model, layout_map):
     findings; remember a model that passed."""
     if getattr(model, "_klm_strict_ok", None) == _stamp(layout_map):
         return
-    explain(model, layout_map).raise_for_strict()
+    report = explain(model, layout_map)
+    findings = _less_placed(report.findings, layout_map)
+    if findings:
+        raise StrictModeError(
+            f"Strict mode: {len(findings)} problem(s) with the layout plan of "
+            f"{model.name!r}:\n"
+            + "\n".join(f"  - {f.message}" for f in findings),
+            findings,
+        )
     model._klm_strict_ok = _stamp(layout_map)
+
+
+def _less_placed(findings, layout_map):
+    """`findings` less the unused rules that placed a weight of another
+    model built under `layout_map`: one map may build several models (an
+    encoder and a decoder, a model and its copy), each using some rules."""
+    placed = layout_map.placed_rules()
+    return [f for f in findings
+            if f.kind != "unused_rule" or f.subject not in placed]
 
 
 def run_checked(original, model, dist, args, kwargs):

@@ -77,6 +77,10 @@ class RuleMap(keras_distribution.LayoutMap):
         self.search = False
         self._matcher = None
         self._version = 0  # bumped on every change: strict checks re-run
+        # Rules that have given a layout to a weight created on the mesh,
+        # of any model built under this map: strict mode does not call them
+        # unused when it checks another model built under the same map.
+        self._placed_rules = set()
 
     # -- the mapping -------------------------------------------------------
 
@@ -223,6 +227,17 @@ class RuleMap(keras_distribution.LayoutMap):
     def _changed(self):
         self._version += 1
         self._matcher = None
+
+    def note_placed(self, rule):
+        """Record that `rule` (a key of this map) gave a layout to a weight
+        created on the mesh; any other source (a layer kwarg) is ignored."""
+        if rule in self._alternatives:
+            self._placed_rules.add(rule)
+
+    def placed_rules(self):
+        """The rules that have placed a weight of some model built under
+        this map (`note_placed`), as a frozenset."""
+        return frozenset(self._placed_rules)
 
     def _get_matcher(self):
         if self._matcher is None:
