@@ -1,8 +1,9 @@
 """A model remembers the distribution it was built under.
 
-`fit`, `evaluate`, `predict`, the `*_on_batch` methods and
-`save_weights` / `load_weights` run under that distribution even when they
-are called outside its scope. Before they run, the model's state is moved to
+`fit`, `evaluate`, `predict`, the `*_on_batch` methods,
+`save_weights` / `load_weights`, and a model class's own `generate`
+(keras-hub's `CausalLM.generate`) run under that distribution even when
+they are called outside its scope. Before they run, the model's state is moved to
 where that distribution (or, with none, one device) wants it
 (`placement.place_model`), so one model never mixes placements and can move
 freely between no distribution, one mesh and another.
@@ -26,6 +27,9 @@ _TRAINING_METHODS = (
     "predict_on_batch",
 )
 _METHODS = _TRAINING_METHODS + ("save_weights", "load_weights")
+# Methods a Model subclass defines itself, wrapped where it defines them
+# (keras-hub's `CausalLM.generate`, defined before or after this import).
+_SUBCLASS_METHODS = ("generate",)
 
 
 def model_distribution(model):
@@ -79,6 +83,31 @@ def install():
     global _INSTALLED
     if _INSTALLED:
         return
+    Model = keras_models.Model
     for name in _METHODS:
-        setattr(keras_models.Model, name, _wrap(getattr(keras_models.Model, name)))
+        setattr(Model, name, _wrap(getattr(Model, name)))
+    # A subclass's own methods: those of the classes defined already, and
+    # of every class defined from now on.
+    pending = list(Model.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        _wrap_subclass_methods(cls)
+        pending.extend(cls.__subclasses__())
+    hook = Model.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        if hook is not None:
+            hook.__func__(cls, **kwargs)
+        else:
+            super(Model, cls).__init_subclass__(**kwargs)
+        _wrap_subclass_methods(cls)
+
+    Model.__init_subclass__ = classmethod(__init_subclass__)
     _INSTALLED = True
+
+
+def _wrap_subclass_methods(cls):
+    for name in _SUBCLASS_METHODS:
+        method = cls.__dict__.get(name)
+        if callable(method) and not getattr(method, "_klm_wrapped", False):
+            setattr(cls, name, _wrap(method))
