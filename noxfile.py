@@ -2,17 +2,19 @@
 
 `nox` runs lint, the docs site build, the three test sessions on the
 supported Keras and the three `tests-keras-next-*` sessions on Keras' next
-release (a subset: `NEXT_TESTS`). pytest runs in as many workers as the
-machine has cores (pytest-xdist, at most 4). `tests-jax` and
-`tests-tensorflow` run every test with 8 virtual devices per worker.
-`tests-torch` runs them twice: the tests that need no mesh (and those that
-start processes of their own) in one process, then every sharding and
-training test under `python -m keras_layoutmap.launch -n 4 -m pytest`, each
-of the 4 processes holding one device of the mesh and running each test
-with the others (a torch mesh spans processes). `-x` ends that run at the
-first failure on any process (the launcher stops the others and prints the
-failing process's log), collectives time out after 60 s, and every test
-after `TORCH_TEST_TIMEOUT` seconds: nothing hangs.
+release (a subset: `NEXT_TESTS`, the workflow matrix among them). pytest
+runs in as many workers as the machine has cores (pytest-xdist, at most 4).
+`tests-jax` and `tests-tensorflow` run every test with 8 virtual devices
+per worker, then the workflow matrix (tests/test_workflows.py) again under
+`python -m keras_layoutmap.launch -n 2 -m pytest`: 2 processes of 4
+devices, one mesh. `tests-torch` runs the tests twice: the tests that need
+no mesh (and those that start processes of their own) in one process, then
+every sharding and training test (the matrix among them) under the launcher
+with 4 processes, each holding one device of the mesh and running each test
+with the others (a torch mesh spans processes). Under the launcher `-x`
+ends the run at the first failure on any process (the launcher stops the
+others and prints the failing process's log), collectives time out after
+60 s, and every test after `LAUNCHED_TEST_TIMEOUT` seconds: nothing hangs.
 
 Sessions run on the interpreter nox itself runs on (`python=None`): no
 version pinned that a machine may lack. keras 3.15 (and jax 0.7+, numpy 2.3+)
@@ -67,21 +69,23 @@ def _check_python(session):
 WORKERS = ["--numprocesses=auto", "--maxprocesses=4"]
 EXTRA = {"jax": "jax", "tensorflow": "tensorflow-cpu", "torch": "torch"}
 TORCH_PROCESSES = 4
-TORCH_TEST_TIMEOUT = 300  # seconds, per test, in the 4-process run
+LAUNCHED_TEST_TIMEOUT = 300  # seconds, per test, under the launcher
 MESH_TESTS = "sharding or training"
+# The workflow matrix: its multi-process cells for JAX and TensorFlow.
+MATRIX = "tests/test_workflows.py"
+MATRIX_PROCESSES = 2
 
 # Keras' next release, before it ships: the nightly builds replace `keras`
 # and `keras-hub` (they provide the same packages). Pinned, so that CI runs
 # what was tested; move the pins forward with a green run, and raise the
 # `keras` range of pyproject.toml (and keras_internals.SUPPORTED_KERAS) only
-# with one on the release. These sessions run the files that go through
-# every Keras internal the package patches (the seam itself, training,
-# Keras' own classes, placement on a mesh, weights born sharded, the layer
-# zoo's convolutions, attention and recurrent layers): the whole suite a
-# second time would take nox far past 45 minutes on 2 cores.
-NEXT_TESTS = ["tests/test_keras_internals.py", "tests/test_training.py",
-              "tests/test_keras_classes.py", "tests/test_sharding.py",
-              "tests/test_born_sharded.py", "tests/test_layer_zoo.py",
+# with one on the release. These sessions run the workflow matrix (its
+# keras-nightly cells, in one process and several) and the files that go
+# through the Keras internals the package patches beyond it (the seam
+# itself, training, weights born sharded, torch's local step): the whole
+# suite a second time would take nox far past 40 minutes on 2 cores.
+NEXT_TESTS = [MATRIX, "tests/test_keras_internals.py", "tests/test_training.py",
+              "tests/test_keras_classes.py", "tests/test_born_sharded.py",
               "tests/test_torch_local_step.py"]
 KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
               "keras-hub-nightly==0.33.0.dev202610250352"]
@@ -113,25 +117,35 @@ def _pytest(session, backend, *args):
     )
 
 
+def _launched(session, backend, processes, *args):
+    """pytest `args` under `python -m keras_layoutmap.launch -n processes`:
+    every process runs each test with the others, on one mesh."""
+    session.run(
+        "python", "-m", "keras_layoutmap.launch", "-n", str(processes),
+        "--log-dir", session.create_tmp(), "-m", "pytest", "-x", "-p",
+        "no:cacheprovider", f"--timeout={LAUNCHED_TEST_TIMEOUT}", *args,
+        env={"KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1",
+             "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+
+
 def _run_tests(session, backend, tests=()):
     """The tests (`tests`, or those given after `--`, else all) on
-    `backend`. torch runs them twice: the tests that need no mesh (and
-    those that start processes of their own) in one process, then the
-    sharding and training tests under the launcher, 4 processes of one
-    device each."""
+    `backend`. JAX and TensorFlow: in one process, then the workflow matrix
+    (when it is among them) in 2 processes under the launcher. torch: the
+    tests that need no mesh (and those that start processes of their own)
+    in one process, then the sharding and training tests under the
+    launcher, 4 processes of one device each."""
     tests = [*tests, *session.posargs]
     if backend != "torch":
         _pytest(session, backend, *tests)
+        paths = [t for t in tests if not t.startswith("-")]
+        if not paths or any(t.startswith(MATRIX) for t in paths):
+            _launched(session, backend, MATRIX_PROCESSES, MATRIX)
         return
     _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes", *tests)
-    logs = session.create_tmp()
-    session.run(
-        "python", "-m", "keras_layoutmap.launch", "-n", str(TORCH_PROCESSES),
-        "--log-dir", logs, "-m", "pytest", "-x", "-p", "no:cacheprovider",
-        f"--timeout={TORCH_TEST_TIMEOUT}",
-        "-m", f"({MESH_TESTS}) and not processes", *tests,
-        env={"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"},
-    )
+    _launched(session, "torch", TORCH_PROCESSES,
+              "-m", f"({MESH_TESTS}) and not processes", *tests)
 
 
 @nox.session(name="tests-jax", python=PYTHON)

@@ -43,8 +43,11 @@ else:
     # 4 as a torch run has.
     DEVICES = int(os.environ.get("KLM_TEST_DEVICES", "8"))
 
-# True where each process holds one device of a mesh spanning several.
-SPANS_PROCESSES = BACKEND == "torch" and DEVICES > 1
+# The processes running this session together (the launcher's WORLD_SIZE):
+# 4 in tests-torch's mesh run, 2 in the JAX and TensorFlow workflow-matrix
+# runs, else 1. True where a mesh spans them.
+PROCESSES = int(os.environ.get("WORLD_SIZE", "1"))
+SPANS_PROCESSES = PROCESSES > 1
 
 
 # -- meshes -------------------------------------------------------------------

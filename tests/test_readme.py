@@ -19,6 +19,14 @@ def first_python_block():
     return match.group(1)
 
 
+def test_what_works_table_is_the_workflow_matrix():
+    """README's "What works" table and docs/workflows.md are what
+    tests/workflows.py generates from the matrix the tests run."""
+    import workflows
+
+    assert workflows.stale() == [], "run: python tests/workflows.py"
+
+
 def test_first_snippet_sets_the_backend_before_keras():
     code = first_python_block()
     assert code.index("KERAS_BACKEND") < code.index("import keras")

@@ -1,0 +1,410 @@
+"""The workflow matrix (rows declared in workflows.py): each row, written as
+users write it, in this session's cell (backend, processes, Keras version),
+compared with the same code on one device; where the row cannot work in
+this cell, the clear error workflows.py names.
+
+A row is a function `row(distributed, folder)` returning its numbers (a
+dict of arrays): with `distributed=False` it runs on one device, with no
+distribution; with True, as a user runs it on the mesh. The one-device
+numbers are computed once per process and reused by the rows that share
+them.
+"""
+
+import keras
+import numpy as np
+import pytest
+import workflows
+from helpers import BACKEND, DEVICES, PROCESSES, digits_data
+
+import keras_layoutmap as klm
+
+pytestmark = [pytest.mark.sharding, pytest.mark.training]
+
+KERAS = "3.15" if keras.version().startswith("3.15") else "nightly"
+ROWS = {}  # name -> row function
+_REFERENCES = {}
+
+
+def row(name):
+    def register(function):
+        ROWS[name] = function
+        return function
+    return register
+
+
+def one_device(function, *args):
+    """`function(False, *args)`, computed once per process."""
+    key = (function.__name__, args)
+    if key not in _REFERENCES:
+        keras.distribution.set_distribution(None)
+        _REFERENCES[key] = function(False, *args)
+    return _REFERENCES[key]
+
+
+def keras_mesh(shape, names):
+    """A mesh as the Keras guide makes one."""
+    return keras.distribution.DeviceMesh(
+        shape, names, devices=keras.distribution.list_devices())
+
+
+def assert_equal_results(got, expected, rtol, atol):
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        a, b = np.asarray(got[key]), np.asarray(expected[key])
+        if a.dtype.kind in "iub":
+            np.testing.assert_array_equal(a, b, err_msg=key)
+        else:
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=key)
+
+
+def numpy_weights(model):
+    return [keras.ops.convert_to_numpy(w) for w in model.weights]
+
+
+# -- Keras' own classes -------------------------------------------------------
+
+DIGITS_ROWS = 300  # batch 64: a short last batch of 44 rows
+MODEL_RULES = {"d1/kernel": (None, "model"), "d1/bias": ("model",),
+               "d2/kernel": ("model", None)}
+
+
+def mlp(name="mlp"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="d1"),
+        keras.layers.Dense(10, name="d2"),
+    ], name=name)
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def train_evaluate_predict(model):
+    x, y = digits_data(DIGITS_ROWS)
+    history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                        verbose=0).history
+    return {"loss": history["loss"], "accuracy": history["accuracy"],
+            "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
+            "predict": model.predict(x[:37], batch_size=16, verbose=0),
+            **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
+
+
+@row("keras-data-parallel")
+def keras_data_parallel(distributed, folder):
+    if distributed:
+        mesh = keras_mesh((DEVICES,), ["batch"])
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(device_mesh=mesh))
+    try:
+        return train_evaluate_predict(mlp())
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@row("keras-model-parallel")
+def keras_model_parallel(distributed, folder):
+    if not distributed:
+        return train_evaluate_predict(mlp())
+    mesh = keras_mesh((DEVICES // 2, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in MODEL_RULES.items():
+        layout_map[key] = axes
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch")
+    with distribution.scope():
+        model = mlp()
+    kernel = model.get_layer("d1").kernel
+    assert tuple(klm.fetch_layout(kernel).axes) == (None, "model")
+    return train_evaluate_predict(model)
+
+
+# -- klm rules ------------------------------------------------------------------
+
+
+def encoder_and_classifier():
+    keras.utils.set_random_seed(0)
+    encoder = keras.Sequential([
+        keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="enc_1"),
+        keras.layers.Dense(10, name="enc_2")], name="encoder")
+    classifier = keras.Sequential([
+        keras.Input((64,)), keras.layers.Dense(16, activation="relu", name="head_1"),
+        keras.layers.Dense(10, name="head_2")], name="classifier")
+    for model in (encoder, classifier):
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return encoder, classifier
+
+
+@row("klm-strict-two-models")
+def klm_strict_two_models(distributed, folder):
+    if distributed:
+        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+        layout_map = klm.LayoutMap(mesh, strict=True)
+        layout_map[r"enc_1\.kernel"] = (None, "model")
+        layout_map[r"enc_2\.kernel"] = ("model", None)
+        layout_map[r"head_1\.kernel"] = (None, "model")
+        with layout_map.scope():
+            models = encoder_and_classifier()
+    else:
+        models = encoder_and_classifier()
+    x, y = digits_data(DIGITS_ROWS)
+    out = {}
+    for model in models:
+        out[model.name] = model.fit(x, y, batch_size=64, epochs=1, verbose=0,
+                                    shuffle=False).history["loss"]
+        for i, w in enumerate(numpy_weights(model)):
+            out[f"{model.name}{i}"] = w
+    return out
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run after its first epoch, as a preempted job stops."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise KeyboardInterrupt("preempted")
+
+
+@row("callbacks")
+def callbacks(distributed, folder):
+    # Every process names the same files, as a user's script does (in a
+    # run of several processes, process 0 writes them).
+    folder = folder / ("mesh" if distributed else "one")
+    backup, checkpoint = folder / "backup", folder / "last.weights.h5"
+    distribution = None
+    if distributed:
+        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+        layout_map = klm.LayoutMap(mesh)
+        layout_map[r"d1\.kernel"] = (None, "model")
+        layout_map[r"d2\.kernel"] = ("model", None)
+        distribution = layout_map.distribution()
+    x, y = digits_data(DIGITS_ROWS)
+
+    def run(*extra):
+        with (distribution.scope() if distribution else _nothing()):
+            model = mlp()
+        return model, model.fit(
+            x, y, batch_size=64, epochs=3, shuffle=False, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(str(backup)),
+                       keras.callbacks.ModelCheckpoint(
+                           str(checkpoint), save_weights_only=True), *extra])
+
+    with pytest.raises(KeyboardInterrupt):
+        run(Interrupt())
+    model, history = run()
+    assert len(history.history["loss"]) == 2  # resumed after epoch 1
+    restored = mlp("restored")
+    restored.load_weights(str(checkpoint))
+    return {"loss": history.history["loss"],
+            **{f"w{i}": w for i, w in enumerate(numpy_weights(model))},
+            **{f"restored{i}": w for i, w in enumerate(numpy_weights(restored))}}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- keras-hub ----------------------------------------------------------------
+
+VOCAB, LENGTH = 64, 12
+GEMMA = dict(vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
+             num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+             head_dim=8)
+
+
+def keras_hub():
+    return pytest.importorskip("keras_hub", reason="the `nlp` extra")
+
+
+def recipe():
+    """keras-hub's distributed-tuning recipe, as its guide writes it."""
+    mesh = keras_mesh((DEVICES // 2, 2), ("batch", "model"))
+    layout_map = keras_hub().models.GemmaBackbone.get_layout_map(mesh)
+    return keras.distribution.ModelParallel(layout_map=layout_map,
+                                            batch_dim_name="batch")
+
+
+def causal_lm():
+    hub = keras_hub()
+    keras.utils.set_random_seed(0)
+    backbone = hub.models.GemmaBackbone(**GEMMA)
+    lm = hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               sampler="greedy")
+    return lm
+
+
+def built(distributed, distribution=None):
+    if not distributed:
+        return causal_lm()
+    with (distribution or recipe()).scope():
+        return causal_lm()
+
+
+def mixed_prompts(rows):
+    """`rows` prompts of 3 to 7 tokens, right-padded to LENGTH."""
+    rng = np.random.default_rng(1)
+    lengths = 3 + np.arange(rows) % 5
+    mask = np.arange(LENGTH)[None, :] < lengths[:, None]
+    ids = rng.integers(1, VOCAB, size=(rows, LENGTH))
+    return {"token_ids": np.where(mask, ids, 0).astype("int32"),
+            "padding_mask": mask}
+
+
+def generated(lm, prompts, sampler="greedy"):
+    lm.compile(sampler=sampler)
+    ids = np.asarray(keras.ops.convert_to_numpy(
+        lm.generate(prompts, stop_token_ids=None)["token_ids"]))
+    mask = prompts["padding_mask"]
+    np.testing.assert_array_equal(np.where(mask, ids, 0),
+                                  prompts["token_ids"], "prompts overwritten")
+    assert (ids[~mask] != 0).any()  # it generated
+    return {"ids": ids}
+
+
+def hub_fit(lm):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCAB, size=(16, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), "int32")}
+    # keras-hub batches numpy with tf.data or grain; where neither is
+    # installed (tests-jax, tests-torch) Keras' own fit runs the same step.
+    fit = lm.fit if _pipeline_loader() else (
+        lambda *a, **k: keras.Model.fit(lm, *a, **k))
+    history = fit(x, tokens[:, 1:], batch_size=8, epochs=1, shuffle=False,
+                  verbose=0).history
+    return {"loss": history["loss"]}
+
+
+def _pipeline_loader():
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) for m in ("grain", "tensorflow"))
+
+
+def lm_weights(model):
+    return {v.path: keras.ops.convert_to_numpy(v) for v in model.weights}
+
+
+def assert_held_as_rules_say(distribution, backbone):
+    sharded = 0
+    for variable in backbone.weights:
+        expected = distribution.get_variable_layout(variable)
+        actual = klm.fetch_layout(variable)
+        assert tuple(actual.axes) == tuple(expected.axes), variable.path
+        sharded += not actual.is_fully_replicated()
+    assert sharded >= 4
+
+
+@row("hub-fit")
+def hub_fit_row(distributed, folder):
+    if not distributed:
+        lm = causal_lm()
+        return {**hub_fit(lm), **lm_weights(lm)}
+    distribution = recipe()
+    with distribution.scope():
+        lm = causal_lm()
+    out = hub_fit(lm)
+    # Read from the backend after training: as the rules say, and Adam's
+    # moments laid out as their weights.
+    assert_held_as_rules_say(distribution, lm.backbone)
+    optimizer = lm.optimizer
+    slots = {v.path: v for v in optimizer.variables}
+    for weight in lm.trainable_weights:
+        for kind in ("momentum", "velocity"):
+            slot = slots[f"{optimizer.name}/{weight.path.replace('/', '_')}_{kind}"]
+            assert klm.fetch_layout(slot) == klm.fetch_layout(weight), slot.path
+    return {**out, **lm_weights(lm)}
+
+
+@row("hub-generate-greedy")
+def hub_generate_greedy(distributed, folder):
+    return generated(built(distributed), mixed_prompts(8))
+
+
+@row("hub-generate-seeded")
+def hub_generate_seeded(distributed, folder):
+    sampler = keras_hub().samplers.TopKSampler(k=4, seed=7)
+    return generated(built(distributed), mixed_prompts(8), sampler)
+
+
+@row("hub-generate-indivisible")
+def hub_generate_indivisible(distributed, folder):
+    return generated(built(distributed), mixed_prompts(3))
+
+
+@row("hub-generate-data-parallel")
+def hub_generate_data_parallel(distributed, folder):
+    distribution = keras.distribution.DataParallel(
+        device_mesh=keras_mesh((DEVICES,), ["batch"]))
+    return generated(built(distributed, distribution), mixed_prompts(DEVICES))
+
+
+@row("hub-lora")
+def hub_lora(distributed, folder):
+    lm = built(distributed)
+    frozen_before = lm_weights(lm)
+    lm.backbone.enable_lora(2)
+    out = hub_fit(lm)
+    trained = {v.path: keras.ops.convert_to_numpy(v)
+               for v in lm.trainable_weights}
+    assert sum("lora" in path for path in trained) >= 4
+    after = lm_weights(lm)
+    for path in frozen_before:
+        if path not in trained:
+            np.testing.assert_array_equal(after[path], frozen_before[path],
+                                          err_msg=path)
+    return {**out, **trained}
+
+
+@row("hub-preset")
+def hub_preset(distributed, folder):
+    if not distributed:
+        return lm_weights(causal_lm().backbone)
+    distribution = recipe()
+    with distribution.scope():
+        saved = causal_lm().backbone
+        saved.save_to_preset(str(folder / "preset"))
+        loaded = keras_hub().models.GemmaBackbone.from_preset(
+            str(folder / "preset"))
+        assert_held_as_rules_say(distribution, loaded)
+    return lm_weights(loaded)
+
+
+TOLERANCE = {"keras-data-parallel": (1e-5, 2e-6),
+             "keras-model-parallel": (1e-5, 2e-6),
+             "klm-strict-two-models": (1e-5, 2e-6),
+             "callbacks": (1e-5, 2e-6)}
+
+
+# Rows whose one-device numbers are another row's: the same code runs
+# there without a distribution.
+SAME_REFERENCE = {"keras-model-parallel": "keras-data-parallel"}
+if DEVICES == 8:  # one prompt per device: the greedy row's 8 prompts
+    SAME_REFERENCE["hub-generate-data-parallel"] = "hub-generate-greedy"
+
+
+def test_every_declared_row_has_a_test_and_back():
+    assert sorted(ROWS) == sorted(workflows.by_name())
+
+
+@pytest.mark.parametrize("name", [w.name for w in workflows.WORKFLOWS])
+def test_workflow(name, tmp_path):
+    """Row `name` in this cell equals one device, or fails as declared."""
+    function = ROWS[name]
+    cannot = workflows.by_name()[name].expected(BACKEND, PROCESSES, KERAS)
+    if cannot is not None:
+        with pytest.raises(cannot.error, match=cannot.match):
+            function(True, tmp_path)
+        return
+    reference = ROWS[SAME_REFERENCE.get(name, name)]
+    expected = one_device(reference, tmp_path.parent / "one-device")
+    got = function(True, tmp_path)
+    rtol, atol = TOLERANCE.get(name, (1e-4, 1e-5))
+    assert_equal_results(got, expected, rtol, atol)
