@@ -22,6 +22,7 @@ from keras_layoutmap.backends.torch import (
     lookups,
     placement,
     random_draws,
+    scalar_reads,
     training,
     variables,
     whole_batch,
@@ -70,6 +71,8 @@ def install():
     # same order, and the warning repeats every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(
         logging.ERROR)
+    # A number read from a DTensor is the whole value's (not the piece's).
+    scalar_reads.install()
     Variable = keras_torch.Variable
     Variable._initialize = variables.wrap_initialize(Variable._initialize)
     Variable._initialize_with_initializer = (

@@ -1,0 +1,106 @@
+"""keras-hub's `CausalLM.generate()` on torch with prompts of different
+lengths, split over the batch axis: the sampler starts at the shortest
+prompt (`ops.min` over rows, a pending reduction on a DTensor) and indexes
+with it; every process must read the whole minimum
+(`backends/torch/scalar_reads.py`). The prompts come back intact and the ids
+are those of the same model on one device, under keras-hub's
+`get_layout_map` recipe (`ModelParallel`) and under `DataParallel`."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import BACKEND, DEVICES, dp_mesh, keras_mesh, mp_mesh
+
+import keras_layoutmap as klm
+
+pytestmark = [
+    pytest.mark.sharding, pytest.mark.training,
+    pytest.mark.skipif(BACKEND != "torch", reason="the torch DTensor path; "
+                       "JAX and TensorFlow generate are tested elsewhere"),
+]
+
+TINY_GEMMA = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
+                  num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                  head_dim=8)
+MAX_LENGTH = 12
+
+
+def prompts(rows):
+    """`rows` prompts of 3, 4, ... tokens, right-padded with zeros."""
+    rng = np.random.default_rng(0)
+    ids = np.zeros((rows, MAX_LENGTH), "int32")
+    mask = np.zeros((rows, MAX_LENGTH), "bool")
+    for row in range(rows):
+        length = 3 + row % (MAX_LENGTH - 4)
+        ids[row, :length] = rng.integers(1, 64, length)
+        mask[row, :length] = True
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def build():
+    import keras_hub  # the `nlp` extra
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    return lm
+
+
+def generate(lm, inputs, stop_token_ids=None):
+    out = lm.generate(dict(inputs), max_length=MAX_LENGTH,
+                      stop_token_ids=stop_token_ids)
+    return np.asarray(out["token_ids"])
+
+
+def assert_equals_one_device(distribution, rows, stop_token_ids=None):
+    inputs = prompts(rows)
+    expected = generate(build(), inputs, stop_token_ids)
+    with distribution.scope():
+        got = generate(build(), inputs, stop_token_ids)
+    mask = inputs["padding_mask"]
+    np.testing.assert_array_equal(np.where(mask, got, 0), inputs["token_ids"])
+    np.testing.assert_array_equal(got, expected)
+
+
+def recipe():
+    """keras-hub's own recipe: Keras' classes, `get_layout_map`."""
+    import keras_hub
+
+    mesh = keras_mesh(mp_mesh())
+    return keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+        batch_dim_name="batch")
+
+
+def test_a_number_read_from_a_pending_reduction_is_the_whole_value():
+    """`ops.min` over rows split over `batch` leaves a pending reduction;
+    `int`, `bool`, `float` and indexing with it read the whole minimum on
+    every process, not the minimum of the process's own rows."""
+    rows = np.arange(3, 3 + DEVICES, dtype="int32")[:, None] * np.ones(
+        (1, 2), "int32")
+    x = klm.distribute(rows, klm.Layout.batch_sharded(dp_mesh(), "batch", 2))
+    low = keras.ops.min(x)
+    assert int(low) == 3 and float(low) == 3.0
+    assert bool(low - 3) is False
+    assert int(keras.ops.max(x)) == 2 + DEVICES
+    table = keras.ops.convert_to_tensor(np.arange(10, 20, dtype="int32"))
+    assert int(table[low]) == 13
+
+
+def test_mixed_prompt_lengths_model_parallel_recipe_equals_one_device():
+    assert_equals_one_device(recipe(), rows=4)
+
+
+def test_mixed_prompt_lengths_data_parallel_equals_one_device():
+    distribution = keras.distribution.DataParallel(
+        device_mesh=keras_mesh(dp_mesh()))
+    assert_equals_one_device(distribution, rows=2 * DEVICES)
+
+
+def test_mixed_prompt_lengths_stop_tokens_equals_one_device():
+    """With stop tokens the loop's condition is read from a reduction over
+    the batch too: every process must stop at the same step."""
+    inputs = prompts(4)
+    stop = (int(generate(build(), inputs)[0, 5]),)  # row 0 stops early
+    assert_equals_one_device(recipe(), rows=4, stop_token_ids=stop)
