@@ -25,13 +25,14 @@ import keras
 from keras import distribution as keras_distribution
 
 from keras_layoutmap.distributions import DataParallel, ModelParallel, _Resolving
+from keras_layoutmap.keras_internals import TFDatasetAdapter, global_state
 from keras_layoutmap.keras_internals import (
     distribution_module as distribution_lib,
 )
 from keras_layoutmap.keras_internals import (
     distribution_package as keras_distribution_package,
 )
-from keras_layoutmap.keras_internals import global_state
+from keras_layoutmap.keras_internals import tf_dataset_split as _tf_dataset_split
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.rules.rule_map import RuleMap
 
@@ -151,6 +152,20 @@ def install():
         return distribute(tensor, layout)
 
     distribution_lib.distribute_tensor = distribute_tensor
+
+    # Keras 3.16's tf.data adapter splits a dataset over processes by its
+    # own rule (and refuses keras-hub's pipelines, whose batch size tf.data
+    # cannot compute); a klm distribution feeds each process itself, as
+    # Keras 3.15 asked it to.
+    split = _tf_dataset_split
+    if split is not None and not getattr(split, "_klm_wrapped", False):
+        def _distribute_dataset(self, dataset, distribution):
+            if isinstance(distribution, _Resolving):
+                return distribution.distribute_dataset(dataset)
+            return split(self, dataset, distribution)
+
+        _distribute_dataset._klm_wrapped = True
+        TFDatasetAdapter._distribute_dataset = _distribute_dataset
 
 
 def fit_output_layout(shape, layout, path, rule, batch_axis):

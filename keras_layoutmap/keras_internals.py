@@ -163,3 +163,13 @@ def backend_distribution_lib():
 distribution_package = private("keras.src.distribution")
 # Keras' global attributes (the variables a stateless scope initialises).
 global_state = private("keras.src.backend.common.global_state")
+
+# Keras 3.16's tf.data adapter splits a dataset over processes itself (by
+# `distribution.num_processes`, refusing a batch size tf.data cannot
+# compute); 3.15's asks the distribution (`distribute_dataset`). None on
+# 3.15.
+tf_dataset_split = optional(
+    "keras.src.trainers.data_adapters.tf_dataset_adapter:"
+    "TFDatasetAdapter._distribute_dataset")
+TFDatasetAdapter = private(
+    "keras.src.trainers.data_adapters.tf_dataset_adapter:TFDatasetAdapter")
