@@ -13,7 +13,9 @@ is that of one device: nothing is divided by a replica count.
 One concern a module: `placement` (meshes, layouts, tensors, host reads),
 `variables` (DVariables), `training` (the trainer hooks), `random_draws`
 (random numbers inside a step), `export`, `processes` (DTensor
-multi-client). This module is the backend interface (see
+multi-client), `keras_distribution` (what `keras.distribution` asks of
+the backend: every process's devices), `slice_updates` / `einsum`
+(keras-hub's `generate()` on a mesh). This module is the backend interface (see
 `keras_layoutmap/backends/__init__.py`) and `install()`.
 """
 
@@ -22,8 +24,10 @@ import os
 import keras
 
 from keras_layoutmap.backends.tensorflow import (
+    einsum,
     export,
     gather,
+    keras_distribution,
     placement,
     random_draws,
     slice_updates,
@@ -72,6 +76,9 @@ def install():
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
     keras_tf.distribution_lib.distribute_tensor = placement.distribute_tensor_hook
+    # ... and lists each process's devices under the same names: the run's
+    # devices, every process's once, as `klm.list_devices()`.
+    keras_distribution.install(keras_tf.distribution_lib)
 
     # Variables: made as DVariables, assigned, read back to the host.
     Variable = keras_tf.Variable
@@ -107,6 +114,9 @@ def install():
     # keras-hub's generate(): the KV cache and token updates on a mesh.
     keras_tf.core.slice_update = slice_updates.wrap_slice_update(
         keras_tf.core.slice_update)
+    # ... and attention's einsums, which Keras rewrites into transposes
+    # DTensor cannot lay out (the KV cache against a split query).
+    keras_tf.numpy.einsum = einsum.wrap_einsum(keras_tf.numpy.einsum)
     Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.

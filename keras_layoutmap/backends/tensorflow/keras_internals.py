@@ -1,7 +1,8 @@
 """The TensorFlow backend's Keras internals (see
 `keras_layoutmap.keras_internals`).
 
-3.15 -> 3.16: `keras.src.backend.tensorflow.core` became `...ops.core`;
+3.15 -> 3.16: `keras.src.backend.tensorflow.core` became `...ops.core`
+(and `numpy`, `...ops.numpy`);
 `TensorFlowTrainer` became `Trainer`. `random`, `optimizer` and
 `distribution_lib` stayed (`distribution_lib` still has no
 `distribute_tensor`: we provide it).
@@ -20,6 +21,9 @@ CONVERT_TO_NUMPY_MODULES = modules_holding(
     "keras.src.backend.tensorflow.ops",  # 3.16
     core.__name__,
 )
+
+numpy = private("keras.src.backend.tensorflow.ops.numpy",
+                "keras.src.backend.tensorflow.numpy")
 
 distribution_lib = private("keras.src.backend.tensorflow.distribution_lib")
 TFOptimizer = private("keras.src.backend.tensorflow.optimizer:TFOptimizer")

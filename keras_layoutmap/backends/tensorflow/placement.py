@@ -205,7 +205,8 @@ def unpack(x):
 def local_devices():
     """This process's devices (`"cpu:3"`, global ids), for
     `Mesh.local_devices()`."""
-    return [f"cpu:{i}" for i in local_ids()]
+    kind = devices.kind().lower()
+    return [f"{kind}:{i}" for i in local_ids()]
 
 
 def distribute_tensor_hook(tensor, layout):
@@ -233,6 +234,15 @@ def mesh_distribution():
     if mesh is None or int(np.prod(mesh.shape)) == 1:
         return None
     return dist
+
+
+def runs_on_mesh(*values):
+    """Whether an op on `values` runs on the mesh: eagerly, when one of them
+    is a DTensor; inside a `tf.function` (where a symbolic tensor does not
+    say its layout), whenever a mesh distribution is active."""
+    if not tf.executing_eagerly():
+        return mesh_distribution() is not None
+    return any(tf.is_tensor(v) and is_dtensor(v) for v in values)
 
 
 def to_host(x):

@@ -8,6 +8,7 @@ host is relayouted to replicated (a collective every client joins) and read
 from a local copy. The data contract is JAX's (see `processes`).
 """
 
+import atexit
 import os
 
 import numpy as np
@@ -67,6 +68,16 @@ def join(cluster, total_devices=None):
     dtensor.initialize_accelerator_system(kind)
     _STATE.update(clients=cluster.num_processes, client=cluster.process_id,
                   local=dtensor.num_local_devices(kind))
+    # A normal exit waits for every process: a client serves the others'
+    # reads of its pieces (the last `get_weights` relayouts to replicated),
+    # and one that exits first refuses them ("Connection refused"). (An
+    # uncaught error exits at once instead: keras_layoutmap.processes.)
+    atexit.register(_leave)
+
+
+def _leave():
+    if _STATE["clients"] > 1:
+        barrier("klm_exit")
 
 
 def process_count():

@@ -18,18 +18,7 @@ import functools
 
 import tensorflow as tf
 
-from keras_layoutmap.backends.tensorflow.placement import (
-    is_dtensor,
-    mesh_distribution,
-)
-
-
-def _on_mesh(*values):
-    """A DTensor among `values`; inside a `tf.function` (where a symbolic
-    tensor does not say its layout) any call under a mesh distribution."""
-    if not tf.executing_eagerly():
-        return mesh_distribution() is not None
-    return any(tf.is_tensor(v) and is_dtensor(v) for v in values)
+from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
 
 
 def _by_mask(inputs, start_indices, updates):
@@ -57,7 +46,7 @@ def wrap_slice_update(original):
 
     @functools.wraps(original)
     def slice_update(inputs, start_indices, updates):
-        if not _on_mesh(inputs, updates):
+        if not runs_on_mesh(inputs, updates):
             return original(inputs, start_indices, updates)
         inputs = tf.convert_to_tensor(inputs)
         if isinstance(start_indices, (list, tuple)):

@@ -1,0 +1,136 @@
+"""TensorFlow: Keras' own distribution API and keras-hub's `generate()` on a
+mesh.
+
+- `keras.distribution.list_devices()` names every device of every process
+  once, as `klm.list_devices()` does (Keras' TensorFlow module lists each
+  process's devices under the same names, `cpu:0 ...`, so the Keras guide's
+  `DeviceMesh(..., devices=keras.distribution.list_devices())` was refused
+  across processes), and `keras.distribution.get_device_count()` exists.
+- A keras-hub `GemmaCausalLM` generates on a mesh the ids one device does:
+  Keras' TensorFlow einsum transposed the replicated KV cache into a matmul
+  with the split query, which DTensor's Transpose refuses ("TransposeOp SPMD
+  needs communication is not supported yet").
+"""
+
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+from helpers import BACKEND, DEVICES, launch
+
+import keras_layoutmap as klm
+
+pytestmark = [
+    pytest.mark.sharding,
+    pytest.mark.training,
+    pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow backend only"),
+]
+
+
+# -- Keras' own device list -----------------------------------------------------
+
+
+def test_keras_list_devices_is_klms():
+    devices = klm.list_devices()
+    assert len(devices) == DEVICES
+    assert keras.distribution.list_devices() == devices
+    assert keras.distribution.list_devices("cpu") == devices
+    assert keras.distribution.list_devices("CPU") == devices
+    # Never a mix of types: none of another type on a CPU run.
+    assert keras.distribution.list_devices("gpu") == []
+    assert keras.distribution.list_devices("tpu") == []
+    assert keras.distribution.get_device_count() == DEVICES
+    assert keras.distribution.get_device_count("cpu") == DEVICES
+    assert keras.distribution.get_device_count("gpu") == 0
+    mesh = keras.distribution.DeviceMesh(
+        (DEVICES,), ["batch"], devices=keras.distribution.list_devices())
+    assert mesh.devices.size == DEVICES
+
+
+_TWO_PROCESSES = """
+import keras_layoutmap as klm
+klm.configure_virtual_devices({devices})
+import keras
+
+devices = keras.distribution.list_devices()
+assert devices == klm.list_devices(), (devices, klm.list_devices())
+assert len(set(devices)) == {devices}, devices
+assert keras.distribution.get_device_count() == {devices}
+mesh = keras.distribution.DeviceMesh(({devices},), ["batch"], devices=devices)
+keras.distribution.set_distribution(
+    keras.distribution.DataParallel(device_mesh=mesh))
+print("process", klm.process_index(), "devices", devices, flush=True)
+"""
+
+
+def test_keras_list_devices_across_two_processes(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(textwrap.dedent(_TWO_PROCESSES.format(devices=DEVICES)))
+    result = launch(2, script, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("devices ['cpu:0'") == 2, result.stdout
+
+
+# -- keras-hub generate() --------------------------------------------------------
+
+keras_hub = pytest.importorskip("keras_hub")
+
+GEMMA = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
+             num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+             head_dim=8)
+LENGTH = 12
+
+
+def causal_lm():
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**GEMMA)
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    return lm
+
+
+def mixed_prompts(rows):
+    """`rows` prompts of 3 to 7 tokens, right-padded to LENGTH."""
+    rng = np.random.default_rng(1)
+    lengths = 3 + np.arange(rows) % 5
+    mask = np.arange(LENGTH)[None, :] < lengths[:, None]
+    ids = rng.integers(1, 64, size=(rows, LENGTH))
+    return {"token_ids": np.where(mask, ids, 0).astype("int32"),
+            "padding_mask": mask}
+
+
+def generated(lm, prompts):
+    out = lm.generate(prompts, stop_token_ids=None, max_length=LENGTH)
+    return np.asarray(keras.ops.convert_to_numpy(out["token_ids"]))
+
+
+def data_parallel():
+    mesh = keras.distribution.DeviceMesh(
+        (DEVICES,), ["batch"], devices=keras.distribution.list_devices())
+    return keras.distribution.DataParallel(device_mesh=mesh)
+
+
+def model_parallel():
+    mesh = keras.distribution.DeviceMesh(
+        (DEVICES // 2, 2), ["batch", "model"],
+        devices=keras.distribution.list_devices())
+    return keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+        batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("distribution, rows", [
+    (data_parallel, DEVICES),  # one prompt per device
+    (model_parallel, DEVICES // 2),  # one prompt per batch shard
+], ids=["data_parallel", "model_parallel"])
+def test_generate_one_prompt_per_shard_equals_one_device(distribution, rows):
+    prompts = mixed_prompts(rows)
+    keras.distribution.set_distribution(None)
+    expected = generated(causal_lm(), prompts)
+    with distribution().scope():
+        got = generated(causal_lm(), prompts)
+    np.testing.assert_array_equal(got, expected)
+    mask = prompts["padding_mask"]
+    np.testing.assert_array_equal(np.where(mask, got, 0), prompts["token_ids"])
+    assert (got[~mask] != 0).any()  # it generated
