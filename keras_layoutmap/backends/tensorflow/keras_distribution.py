@@ -54,7 +54,18 @@ def get_device_count(device_type=None):
 def initialize(job_addresses=None, num_processes=None, process_id=None):
     """`keras.distribution.initialize`: join the run as `klm.initialize`
     does. On TensorFlow, Keras' `job_addresses` names every process (the
-    DTensor jobs, the first also the coordinator)."""
+    DTensor jobs, the first also the coordinator). A process that already
+    joined (`klm.configure_virtual_devices` under the launcher, or
+    `klm.initialize`) stays in its run."""
+    if processes.process_count() > 1:
+        joined = (processes.process_count(), processes.process_index())
+        asked = (num_processes, process_id)
+        if any(a is not None and int(a) != j for a, j in zip(asked, joined)):
+            raise ValueError(
+                f"keras.distribution.initialize(num_processes={num_processes}, "
+                f"process_id={process_id}): this process already joined a run "
+                f"of {joined[0]} processes as process {joined[1]}.")
+        return
     addresses = [a.strip() for a in (job_addresses or "").split(",") if a.strip()]
     if len(addresses) > 1:
         os.environ.setdefault("DTENSOR_JOBS", ",".join(addresses))
