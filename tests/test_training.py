@@ -304,7 +304,13 @@ def test_batchnorm_dropout_dict_inputs_and_data_sources(digits, source):
     model = build_two_inputs()
     klm.set_distribution(None)
     history = model.fit(data(), epochs=2, verbose=0).history
-    assert_same_history(history, ref_history)
+    assert history.keys() == ref_history.keys()
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
+    # Accuracy counts argmaxes: with TensorFlow's oneDNN kernels (reduction
+    # order) one row of the 1797 in epoch 1 lands on the other side of a
+    # near tie (0.542014 against 0.542571, at ad4deab too). Within one row.
+    np.testing.assert_allclose(history["accuracy"], ref_history["accuracy"],
+                               rtol=0, atol=1.01 / len(digits[1]))
     # BatchNormalization divides by per-unit batch deviations; a unit with a
     # tiny one magnifies reduction-order rounding, so allow 1e-4 here.
     assert_same_weights(weights(model), weights(reference), rtol=1e-4, atol=1e-5)
