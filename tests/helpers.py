@@ -212,6 +212,18 @@ def gemma_data():
     return x, tokens[:, 1:]
 
 
+def assert_held_as_rules_say(distribution, model, at_least):
+    """Every weight of `model` holds, read from the backend, the layout
+    `distribution` gives it, and at least `at_least` of them are split."""
+    sharded = 0
+    for variable in model.weights:
+        expected = distribution.get_variable_layout(variable)
+        actual = klm.fetch_layout(variable)
+        assert tuple(actual.axes) == tuple(expected.axes), variable.path
+        sharded += not actual.is_fully_replicated()
+    assert sharded >= at_least
+
+
 # -- one device and a mesh give the same numbers --------------------------------
 
 

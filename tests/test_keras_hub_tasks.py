@@ -10,7 +10,7 @@ rules, and the docs' recipe."""
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES
+from helpers import DEVICES, assert_held_as_rules_say
 
 import keras_layoutmap as klm
 
@@ -100,17 +100,6 @@ def weights(model):
     return {v.path: np.asarray(keras.ops.convert_to_numpy(v)) for v in model.weights}
 
 
-def assert_held_as_rules_say(distribution, backbone):
-    """Every weight a rule names holds that layout on the backend, and the
-    recipe shards something in every block."""
-    sharded = 0
-    for variable in backbone.weights:
-        expected = distribution.get_variable_layout(variable)
-        actual = klm.fetch_layout(variable)
-        assert tuple(actual.axes) == tuple(expected.axes), variable.path
-        sharded += not actual.is_fully_replicated()
-    assert sharded >= 8
-
 
 def assert_equal(actual, expected, rtol=1e-4, atol=1e-5):
     assert sorted(actual) == sorted(expected)
@@ -136,9 +125,9 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
     distribution = keras_model_parallel(arch)
     with distribution.scope():
         lm = build(arch)
-        assert_held_as_rules_say(distribution, lm.backbone)
+        assert_held_as_rules_say(distribution, lm.backbone, 8)
         history = fit(lm)
-        assert_held_as_rules_say(distribution, lm.backbone)
+        assert_held_as_rules_say(distribution, lm.backbone, 8)
         greedy = generate(lm, "greedy")
     np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-4)
     assert_equal(weights(lm), weights(reference))
