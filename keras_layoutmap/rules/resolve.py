@@ -18,6 +18,8 @@ import contextvars
 from keras_layoutmap import paths
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.mesh import as_mesh
+from keras_layoutmap.rules import quantized
+from keras_layoutmap.rules.rule_map import Choice
 
 # The layer (and weight name) whose `add_weight` is running: the one piece
 # of context that lets a distribution name a weight by its object path.
@@ -77,6 +79,12 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
     `layout_map.Choice` (None for a kwarg or the default). `dtype` goes to
     the map's default policy (`klm.fsdp` sizes weights by it).
     """
+    follower = quantized.describe(owner, name, shape)
+    if follower is not None:
+        found = _follow(follower, owner, name, shape, object_path, path,
+                        layout_map, mesh, dtype)
+        if found is not None:
+            return found if detail else found[:2]
     if owner is not None:
         source, layout = _kwarg_layout(owner, name)
         if layout is not None:
@@ -98,3 +106,31 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
             return choice.rule, choice.layout
     layout = Layout.replicated(mesh, len(shape))
     return (None, layout, None) if detail else (None, layout)
+
+
+def _follow(follower, owner, name, shape, object_path, path, layout_map,
+            mesh, dtype):
+    """`(source, layout, choice)` for a variable that quantization added
+    (see `rules.quantized`), or None when a kwarg or a rule of its own
+    (one that is not its kernel's) places it."""
+    own_kwarg, _ = _kwarg_layout(owner, name)
+    if own_kwarg is not None and follower.base != name:
+        return None
+    base_object_path, base_path = quantized.sibling_keys(
+        object_path, path, name, follower.base)
+    own_rule = None
+    if layout_map is not None and follower.base != name:
+        own_rule, _ = layout_map.match(object_path, path)
+    source, base_layout, choice = resolve_weight(
+        owner, follower.base, follower.base_shape, base_object_path,
+        base_path, layout_map, mesh, detail=True, dtype=dtype)
+    if own_rule is not None and own_rule != source:
+        return None  # a rule written for this variable
+    layout = quantized.follow(follower, base_layout, shape,
+                              object_path or path, source)
+    follows = None if follower.base == name else (
+        base_object_path or base_path)
+    index, count, refused = (None, 1, ()) if choice is None else (
+        choice.index, choice.count, choice.refused)
+    return source, layout, Choice(source, layout, index, count, refused,
+                                  follows=follows)

@@ -33,7 +33,8 @@ class Choice:
     the layout given; for a rule with fallbacks, `index` is which of its
     `count` layouts (0-based) placed the weight and `refused` holds
     `(layout, reason)` for each earlier one. `index` is None for a rule
-    with one layout.
+    with one layout. `follows` names the kernel a variable that
+    quantization added follows (None for any other weight).
     """
 
     rule: object
@@ -41,6 +42,9 @@ class Choice:
     index: object = None
     count: int = 1
     refused: tuple = ()
+    # For a variable that quantization added (a scale, an amax history):
+    # the weight it follows, named by its object path (see rules.quantized).
+    follows: object = None
 
 
 class RuleMap(keras_distribution.LayoutMap):
