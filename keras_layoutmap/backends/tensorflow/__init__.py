@@ -15,7 +15,8 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 (random numbers inside a step), `export`, `processes` (DTensor
 multi-client), `keras_distribution` (what `keras.distribution` asks of
 the backend: every process's devices), `slice_updates` / `einsum`
-(keras-hub's `generate()` on a mesh). This module is the backend interface (see
+(keras-hub's `generate()` on a mesh), `quantized_matmul` (int8 layers on a
+mesh). This module is the backend interface (see
 `keras_layoutmap/backends/__init__.py`) and `install()`.
 """
 
@@ -29,6 +30,7 @@ from keras_layoutmap.backends.tensorflow import (
     gather,
     keras_distribution,
     placement,
+    quantized_matmul,
     random_draws,
     slice_updates,
     sparse_updates,
@@ -117,6 +119,9 @@ def install():
     # ... and attention's einsums, which Keras rewrites into transposes
     # DTensor cannot lay out (the KV cache against a split query).
     keras_tf.numpy.einsum = einsum.wrap_einsum(keras_tf.numpy.einsum)
+    # Quantized int8 layers: int8 x int8 -> int32 as ops DTensor lays out.
+    keras_tf.numpy.matmul = quantized_matmul.wrap_matmul(keras_tf.numpy.matmul)
+    keras_tf.numpy.einsum = quantized_matmul.wrap_einsum(keras_tf.numpy.einsum)
     Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.
