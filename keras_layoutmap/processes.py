@@ -9,11 +9,18 @@ makes `n / P` devices in each and joins them (JAX: `jax.distributed`), and
 Where a process finds the cluster, first found wins:
 
 - arguments to `klm.initialize(coordinator_address, num_processes, process_id)`;
-- the launcher's (and torchrun's) `MASTER_ADDR`, `MASTER_PORT`,
-  `WORLD_SIZE`, `RANK`;
+- the launcher's (and torchrun's, and Kubeflow's PyTorchJob's)
+  `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK` (with `LOCAL_RANK`,
+  `LOCAL_WORLD_SIZE`);
 - Keras' `KERAS_DISTRIBUTION_JOB_ADDRESSES` (comma-separated, the first is
   the coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES`,
-  `KERAS_DISTRIBUTION_PROCESS_ID`.
+  `KERAS_DISTRIBUTION_PROCESS_ID`;
+- a cluster scheduler's own variables: SLURM, Open MPI, Kubernetes
+  runtimes (`keras_layoutmap.schedulers`).
+
+Where a scheduler says there are several tasks, a process never goes on
+alone: it joins the others or raises. Joining ends within
+`KLM_JOIN_TIMEOUT` seconds (`keras_layoutmap.join_deadline`).
 
 `KLM_DEVICES_PER_PROCESS` (the launcher's `--devices-per-process K`) makes
 `klm.initialize()` create K virtual CPU devices per process, so a cluster
@@ -37,27 +44,8 @@ import tempfile
 
 import numpy as np
 
-from keras_layoutmap import backends
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """Where the coordinator is, how many processes, and which one this is."""
-
-    coordinator_address: str
-    num_processes: int
-    process_id: int
-
-    def __post_init__(self):
-        if self.num_processes < 1:
-            raise ValueError(
-                f"num_processes must be at least 1. Received: {self.num_processes}"
-            )
-        if not 0 <= self.process_id < self.num_processes:
-            raise ValueError(
-                f"process_id must be in [0, {self.num_processes}). Received: "
-                f"{self.process_id}"
-            )
+from keras_layoutmap import backends, join_deadline, schedulers
+from keras_layoutmap.cluster import Cluster  # noqa: F401 (a public name here)
 
 
 def _int(environ, name):
@@ -73,8 +61,13 @@ def _int(environ, name):
         ) from None
 
 
+def _described(environ, names):
+    return ", ".join(f"{n}={environ[n]}" for n in names if n in environ)
+
+
 def cluster_from_environment(environ=None):
-    """The `Cluster` the environment describes, or None outside one."""
+    """The `Cluster` the environment describes, or None outside one (see
+    the module docstring for the variables, in order)."""
     environ = os.environ if environ is None else environ
     world = _int(environ, "WORLD_SIZE")
     if world is not None:
@@ -87,7 +80,14 @@ def cluster_from_environment(environ=None):
                 "start the script with `python -m keras_layoutmap.launch -n "
                 f"{world} script.py` (or torchrun), which sets all of them."
             )
-        return Cluster(f"{address}:{port}", world, rank)
+        return Cluster(
+            f"{address}:{port}", world, rank,
+            local_rank=_int(environ, "LOCAL_RANK"),
+            local_size=_int(environ, "LOCAL_WORLD_SIZE"),
+            addresses=_job_addresses(environ, world),
+            source="the launcher's variables (" + _described(environ, (
+                "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+                "LOCAL_RANK")) + ")")
     jobs = environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
     if jobs:
         addresses = [a.strip() for a in jobs.split(",") if a.strip()]
@@ -98,28 +98,54 @@ def cluster_from_environment(environ=None):
                 "KERAS_DISTRIBUTION_JOB_ADDRESSES is set but "
                 "KERAS_DISTRIBUTION_PROCESS_ID is not: set this process's id."
             )
-        return Cluster(addresses[0], count, index)
-    return None
+        return Cluster(
+            addresses[0], count, index,
+            addresses=tuple(addresses) if len(addresses) == count else None,
+            source="Keras' variables (" + _described(environ, (
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                "KERAS_DISTRIBUTION_PROCESS_ID")) + ")")
+    return schedulers.detect(environ)
+
+
+def _job_addresses(environ, count):
+    """Every process's own address, where the launcher names them."""
+    jobs = environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "")
+    addresses = tuple(a.strip() for a in jobs.split(",") if a.strip())
+    return addresses if len(addresses) == count else None
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None):
     """Join the backend's multi-process runtime (call it once, first).
 
     Missing arguments are read from the environment (see the module
-    docstring). The local devices are the ones the runtime finds (on a CPU
-    machine, call `klm.configure_virtual_devices` instead: it makes the
-    devices and joins). Returns the `Cluster` joined, or None when there is
-    no cluster to join (one process).
+    docstring): the launcher's, Keras', or a cluster scheduler's variables
+    (SLURM, Open MPI, Kubernetes). The local devices are the ones the
+    runtime finds (on a CPU machine, call `klm.configure_virtual_devices`
+    instead: it makes the devices and joins). Returns the `Cluster` joined,
+    or None when there is no cluster to join (one process);
+    `num_processes=1` runs one process on purpose, inside a scheduler's
+    job of several tasks too.
+
+    Where the variables say there are several processes, this process
+    joins them or raises: variables that are missing or disagree are a
+    `ValueError` naming them, and a join that fails or is still waiting
+    after `KLM_JOIN_TIMEOUT` seconds (default 300) ends every process that
+    waits with a `JoinError` saying why.
     """
-    found = cluster_from_environment()
-    if coordinator_address is None and found is not None:
-        coordinator_address = found.coordinator_address
-    if num_processes is None and found is not None:
-        num_processes = found.num_processes
-    if process_id is None and found is not None:
-        process_id = found.process_id
-    if num_processes in (None, 1) and coordinator_address is None:
+    given = (coordinator_address, num_processes, process_id)
+    found = None if num_processes == 1 else cluster_from_environment()
+    if found is None and given == (None, None, None):
+        not_started = schedulers.not_started(os.environ)
+        if not_started is not None:
+            raise not_started
         return None
+    if num_processes in (None, 1) and coordinator_address is None and found is None:
+        return None
+    if found is not None:
+        coordinator_address = coordinator_address or found.coordinator_address
+        num_processes = num_processes or found.num_processes
+        process_id = found.process_id if process_id is None else process_id
     missing = [name for name, value in (
         ("coordinator_address", coordinator_address),
         ("num_processes", num_processes),
@@ -128,16 +154,33 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
         raise ValueError(
             f"klm.initialize needs {', '.join(missing)}: pass them, or set the "
             "launcher's (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) or "
-            "Keras' KERAS_DISTRIBUTION_* variables."
+            "Keras' KERAS_DISTRIBUTION_* variables, or start the script "
+            "through a cluster scheduler (srun, mpirun, a Kubeflow job)."
         )
     cluster = Cluster(str(coordinator_address), int(num_processes), int(process_id))
+    if found is not None:
+        same = (found.coordinator_address, found.num_processes,
+                found.process_id) == (cluster.coordinator_address,
+                                      cluster.num_processes, cluster.process_id)
+        cluster = dataclasses.replace(
+            found, coordinator_address=cluster.coordinator_address,
+            num_processes=cluster.num_processes, process_id=cluster.process_id,
+            addresses=found.addresses if same else None,
+            source=found.source if same else "klm.initialize's arguments")
+    if cluster.num_processes == 1:
+        return None
     backend = backends.get()
     _check_multi_process(backend)
     per_process = _devices_per_process()
-    backend.join(cluster, total_devices=None if per_process is None
-                 else per_process * cluster.num_processes)
-    _joined(backend)
+    _join(backend, cluster, None if per_process is None
+          else per_process * cluster.num_processes)
     return cluster
+
+
+def _join(backend, cluster, total_devices):
+    backend.join(cluster, total_devices=total_devices,
+                 timeout=join_deadline.seconds())
+    _joined(backend)
 
 
 def configure_devices(n):
@@ -156,8 +199,7 @@ def configure_devices(n):
             f"--devices-per-process {per_process} for {cluster.num_processes} "
             f"processes, {per_process * cluster.num_processes} devices in all."
         )
-    backend.join(cluster, total_devices=n)
-    _joined(backend)
+    _join(backend, cluster, n)
 
 
 def _joined(backend):

@@ -44,6 +44,7 @@ def test_torch_join_takes_local_gpu_and_nccl(monkeypatch):
     import torch.distributed as dist
 
     from keras_layoutmap.backends.torch import devices, processes
+    from keras_layoutmap.join_deadline import JoinError
     from keras_layoutmap.processes import Cluster
 
     taken, joined = [], []
@@ -56,17 +57,29 @@ def test_torch_join_takes_local_gpu_and_nccl(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 2)
+    monkeypatch.setattr(devices, "LOCAL_RANK", [None])
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "set_device", taken.append)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    with pytest.raises(Stop):
-        processes.join(Cluster("127.0.0.1:1234", 2, 1))
+
+    def join(cluster):
+        with pytest.raises(JoinError) as raised:  # the runtime's error, said
+            processes.join(cluster)
+        assert isinstance(raised.value.__cause__, Stop)
+        assert "Process 1 of 2 could not join" in str(raised.value)
+
+    join(Cluster("127.0.0.1:1234", 2, 1))
+    assert taken == ["cuda:1"] and joined == [("nccl", 1, 2)]
+
+    # A scheduler's local rank (SLURM_LOCALID, ...) picks the GPU.
+    taken.clear(), joined.clear()
+    monkeypatch.delenv("LOCAL_RANK")
+    join(Cluster("127.0.0.1:1234", 2, 1, local_rank=1, local_size=2))
     assert taken == ["cuda:1"] and joined == [("nccl", 1, 2)]
 
     taken.clear(), joined.clear()
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
-    with pytest.raises(Stop):
-        processes.join(Cluster("127.0.0.1:1234", 2, 1))
+    join(Cluster("127.0.0.1:1234", 2, 1))
     assert taken == [] and joined == [("gloo", 1, 2)]
 
 

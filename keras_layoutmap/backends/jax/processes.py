@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_layoutmap import join_deadline
 from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.processes import devices_per_process
 
@@ -38,10 +39,13 @@ def set_cpu_devices(n):
             ) from None
 
 
-def join(cluster, total_devices=None):
+def join(cluster, total_devices=None, timeout=None):
     """Join `cluster` with `jax.distributed`. With `total_devices` (the
     CPU devices of the whole run), make `total_devices / num_processes` of
-    them in this process, with collectives over gloo."""
+    them in this process, with collectives over gloo. Where several
+    processes share a host, each takes the GPU of its local rank (JAX's
+    rule; a process alone on its host takes them all). The join ends within
+    `timeout` seconds (`join_deadline`)."""
     local_devices = None
     if total_devices is not None:
         local_devices = devices_per_process(total_devices, cluster)
@@ -52,16 +56,25 @@ def join(cluster, total_devices=None):
                 f" this run asks for {cluster.num_processes}."
             )
         return
+    visible = None
     if local_devices is not None:
         set_cpu_devices(local_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=cluster.coordinator_address,
-        num_processes=cluster.num_processes,
-        process_id=cluster.process_id,
-        initialization_timeout=120,
-        heartbeat_timeout_seconds=30,
-    )
+    elif cluster.accelerator_index() is not None:
+        visible = [cluster.accelerator_index()]
+    timeout = join_deadline.seconds() if timeout is None else timeout
+    with join_deadline.deadline(cluster, timeout):
+        jax.distributed.initialize(
+            coordinator_address=cluster.coordinator_address,
+            num_processes=cluster.num_processes,
+            process_id=cluster.process_id,
+            local_device_ids=visible,
+            # Found already, by the rules of JAX's own detection.
+            cluster_detection_method="deactivate",
+            # Longer than ours: at its own timeout JAX aborts the process.
+            initialization_timeout=int(timeout) + 30,
+            heartbeat_timeout_seconds=30,
+        )
 
 
 def process_count():

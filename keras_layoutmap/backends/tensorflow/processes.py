@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap import join_deadline
 from keras_layoutmap.backends.tensorflow import devices
 from keras_layoutmap.processes import devices_per_process
 
@@ -43,29 +44,46 @@ def set_cpu_devices(n):
 
 
 def _job_addresses(cluster):
+    """Every client's `host:port`: `DTENSOR_JOBS` where set, else the
+    addresses the cluster's source names (the launcher's, Keras', a
+    scheduler's), else, for processes that all share the coordinator's
+    host, the ports after the coordinator's."""
     jobs = os.environ.get("DTENSOR_JOBS")
     if jobs:
         return jobs
-    keras_jobs = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
-    if keras_jobs and len(keras_jobs.split(",")) == cluster.num_processes:
-        return keras_jobs
-    # One port per client after the coordinator's (the launcher's loopback).
+    if cluster.addresses is not None:
+        return ",".join(cluster.addresses)
+    if cluster.local_size is not None and cluster.local_size < cluster.num_processes:
+        raise RuntimeError(
+            f"DTensor needs each client's own address, and the "
+            f"{cluster.num_processes} processes of this run, on several hosts, "
+            f"come with none (read from {cluster.source}). Set DTENSOR_JOBS "
+            "(or KERAS_DISTRIBUTION_JOB_ADDRESSES) to every process's "
+            "host:port, process 0's first, on every process.")
     host, _, port = cluster.coordinator_address.rpartition(":")
     return ",".join(f"{host}:{int(port) + 1 + i}"
                     for i in range(cluster.num_processes))
 
 
-def join(cluster, total_devices=None):
+def join(cluster, total_devices=None, timeout=None):
     """Join `cluster` as a DTensor client; with `total_devices`, make
-    `total_devices / num_processes` logical CPUs here."""
+    `total_devices / num_processes` logical CPUs here. Where several
+    processes share a host with GPUs, each takes the GPU of its local rank.
+    The join ends within `timeout` seconds (`join_deadline`)."""
     if total_devices is not None:
         set_cpu_devices(devices_per_process(total_devices, cluster))
+    jobs = _job_addresses(cluster)
+    kind = devices.kind()
+    if kind == "GPU" and cluster.accelerator_index() is not None:
+        gpus = tf.config.list_physical_devices("GPU")
+        tf.config.set_visible_devices(gpus[cluster.accelerator_index()], "GPU")
     os.environ["DTENSOR_CLIENT_ID"] = str(cluster.process_id)
     os.environ["DTENSOR_NUM_CLIENTS"] = str(cluster.num_processes)
     os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
-    os.environ["DTENSOR_JOBS"] = _job_addresses(cluster)
-    kind = devices.kind()
-    dtensor.initialize_accelerator_system(kind)
+    os.environ["DTENSOR_JOBS"] = jobs
+    timeout = join_deadline.seconds() if timeout is None else timeout
+    with join_deadline.deadline(cluster, timeout):
+        dtensor.initialize_accelerator_system(kind)
     _STATE.update(clients=cluster.num_processes, client=cluster.process_id,
                   local=dtensor.num_local_devices(kind))
     # A normal exit waits for every process: a client serves the others'

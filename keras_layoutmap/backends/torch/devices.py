@@ -36,7 +36,14 @@ def cuda_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# This process's rank on its host, once a join read it from its cluster
+# (a scheduler's variables name it otherwise than LOCAL_RANK).
+LOCAL_RANK = [None]
+
+
 def local_rank():
+    if LOCAL_RANK[0] is not None:
+        return LOCAL_RANK[0]
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 

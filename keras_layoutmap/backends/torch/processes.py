@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_layoutmap import join_deadline
 from keras_layoutmap.backends.torch import devices
 from keras_layoutmap.processes import cluster_from_environment
 
@@ -39,9 +40,17 @@ def _timeout():
     return datetime.timedelta(seconds=seconds)
 
 
+def _environment():
+    """The cluster the environment describes (the launcher's, torchrun's,
+    Keras' or a scheduler's variables), or None."""
+    return cluster_from_environment()
+
+
 def launched_world_size():
-    """`WORLD_SIZE` as the launcher (or torchrun) set it; 1 outside one."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """How many processes the launcher (torchrun, a scheduler) started; 1
+    outside one."""
+    cluster = _environment()
+    return 1 if cluster is None else cluster.num_processes
 
 
 def is_joined():
@@ -55,7 +64,8 @@ def world_size():
 def rank():
     if is_joined():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    cluster = _environment()
+    return 0 if cluster is None else cluster.process_id
 
 
 def _how_to_launch(n):
@@ -63,11 +73,12 @@ def _how_to_launch(n):
             f"script.py` (or `torchrun --nproc-per-node {n} script.py`).")
 
 
-def join(cluster, total_devices=None):
+def join(cluster, total_devices=None, timeout=None):
     """Join `cluster`'s process group (once): NCCL with this process on
-    `cuda:LOCAL_RANK` where torch sees GPUs, else gloo. On torch every process
-    holds one device, so `total_devices` must equal the number of
-    processes."""
+    `cuda:<local rank>` where torch sees GPUs, else gloo. On torch every
+    process holds one device, so `total_devices` must equal the number of
+    processes. The join ends within `timeout` seconds (`join_deadline`);
+    collectives after it within `KLM_COLLECTIVE_TIMEOUT`."""
     if total_devices is not None and total_devices != cluster.num_processes:
         raise RuntimeError(
             f"On the torch backend a mesh of {total_devices} devices spans "
@@ -83,16 +94,20 @@ def join(cluster, total_devices=None):
             )
         return
     host, _, port = cluster.coordinator_address.rpartition(":")
+    if cluster.local_rank is not None:
+        devices.LOCAL_RANK[0] = cluster.local_rank
     kind, backend, device = devices.current()
     if kind == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host or '127.0.0.1'}:{port}",
-        world_size=cluster.num_processes,
-        rank=cluster.process_id,
-        timeout=_timeout(),
-    )
+    timeout = join_deadline.seconds() if timeout is None else timeout
+    with join_deadline.deadline(cluster, timeout):
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host or '127.0.0.1'}:{port}",
+            world_size=cluster.num_processes,
+            rank=cluster.process_id,
+            timeout=_timeout(),
+        )
     # A normal exit takes the group down first: left to the interpreter's
     # shutdown, gloo's threads may abort the process (status 134). (An
     # uncaught error exits at once instead: keras_layoutmap.processes.)

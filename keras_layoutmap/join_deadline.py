@@ -1,0 +1,86 @@
+"""Joining a run of several processes ends within a deadline, with an error
+that says why, on every process: never a hang, never a raw runtime abort.
+
+`deadline(cluster, seconds)` wraps the backend runtime's own join (JAX's
+`jax.distributed.initialize`, DTensor's `initialize_accelerator_system`,
+torch's `init_process_group`). An error the runtime raises becomes a
+`JoinError` naming the run and where it was read from; a runtime still
+waiting at the deadline (a task that never started, a coordinator no one
+can reach) ends the process with that message and status 1, since a join
+blocked in C++ cannot be interrupted. (JAX would abort with a stack trace
+at its own timeout, and DTensor waits an hour.) Backends give their runtime
+a longer timeout than ours, so that ours speaks first.
+
+`KLM_JOIN_TIMEOUT` sets the deadline in seconds (default 300, JAX's own).
+
+>>> from keras_layoutmap.cluster import Cluster
+>>> from keras_layoutmap.join_deadline import deadline
+>>> with deadline(Cluster("127.0.0.1:1234", 2, 1), 60):
+...     raise OSError("connection refused")
+Traceback (most recent call last):
+...
+keras_layoutmap.join_deadline.JoinError: Process 1 of 2 could not join its run ...
+"""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+DEFAULT_SECONDS = 300
+
+
+class JoinError(RuntimeError):
+    """The processes of a run did not all join."""
+
+
+def seconds():
+    """The deadline, from `KLM_JOIN_TIMEOUT` (default 300 seconds)."""
+    value = os.environ.get("KLM_JOIN_TIMEOUT")
+    if value is None:
+        return DEFAULT_SECONDS
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = -1.0
+    if limit <= 0:
+        raise ValueError(f"KLM_JOIN_TIMEOUT must be a positive number of "
+                         f"seconds. Received: {value!r}")
+    return limit
+
+
+def message(cluster, elapsed, error=None):
+    why = (f"the runtime said: {type(error).__name__}: {error}" if error
+           is not None else "it was still waiting for the others")
+    return (
+        f"Process {cluster.process_id} of {cluster.num_processes} could not "
+        f"join its run after {elapsed:.0f} s: {why}. The run's coordinator "
+        f"is {cluster.coordinator_address}, read from {cluster.source}. Check "
+        f"that all {cluster.num_processes} processes started, with the same "
+        "variables, and that process 0's host and port are reachable from "
+        "this one. KLM_JOIN_TIMEOUT sets how long to wait (now "
+        f"{seconds():g} s).")
+
+
+@contextlib.contextmanager
+def deadline(cluster, limit):
+    """Run the block (a runtime's join) within `limit` seconds (see the
+    module docstring)."""
+    start = time.monotonic()
+
+    def expire():
+        sys.stdout.flush()
+        sys.stderr.write(f"JoinError: {message(cluster, limit)}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(limit, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as error:
+        raise JoinError(message(cluster, time.monotonic() - start, error)) from error
+    finally:
+        timer.cancel()
