@@ -30,7 +30,10 @@ class WeightRow:
     For a rule with fallbacks, `alternative` is the index (0-based) of the
     layout that placed the weight among the rule's `alternatives`, and
     `refused` holds `(sharding_specs, reason)` for each earlier one;
-    `alternative` is None for a rule with one layout.
+    `alternative` is None for a rule with one layout. For a variable that
+    `model.quantize()` added (a scale, a zero point, an amax history),
+    `follows` is the object path of the kernel whose layout it follows
+    (`rule` is that kernel's rule); None for any other weight.
     """
 
     path: str
@@ -43,6 +46,7 @@ class WeightRow:
     alternative: object = None
     alternatives: int = 1
     refused: tuple = ()
+    follows: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,7 @@ class Report:
                     "alternatives": r.alternatives,
                     "refused": [{"layout": specs, "reason": why}
                                 for specs, why in r.refused],
+                    "follows": r.follows,
                 }
                 for r in self.rows
             ],
@@ -137,9 +142,11 @@ class Report:
             layout = str(r.layout.sharding_specs)
             if r.alternative is not None:
                 layout += f" (alt {r.alternative + 1}/{r.alternatives})"
+            rule = "-" if r.rule is None else str(r.rule)
+            if r.follows is not None:
+                rule += f" (follows {r.follows})"
             table.add_row(
-                r.object_path, r.path, str(r.shape),
-                "-" if r.rule is None else str(r.rule),
+                r.object_path, r.path, str(r.shape), rule,
                 layout, f"{r.bytes_per_device:,}",
             )
         out = io.StringIO()
@@ -223,6 +230,7 @@ def explain(model, layout_map, optimizer=None, device_memory=None):
                 refused=() if choice is None else tuple(
                     (lt.sharding_specs, why) for lt, why in choice.refused
                 ),
+                follows=None if choice is None else choice.follows,
             )
         )
     keys = list(layout_map)
