@@ -15,8 +15,8 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 (random numbers inside a step), `export`, `processes` (DTensor
 multi-client), `keras_distribution` (what `keras.distribution` asks of
 the backend: every process's devices), `slice_updates` / `einsum`
-(keras-hub's `generate()` on a mesh), `quantized_matmul` (int8 layers on a
-mesh). This module is the backend interface (see
+(keras-hub's `generate()` on a mesh), `quantized_matmul` / `quantized_float8`
+(quantized layers on a mesh). This module is the backend interface (see
 `keras_layoutmap/backends/__init__.py`) and `install()`.
 """
 
@@ -30,6 +30,7 @@ from keras_layoutmap.backends.tensorflow import (
     gather,
     keras_distribution,
     placement,
+    quantized_float8,
     quantized_matmul,
     random_draws,
     slice_updates,
@@ -122,6 +123,8 @@ def install():
     # Quantized int8 layers: int8 x int8 -> int32 as ops DTensor lays out.
     keras_tf.numpy.matmul = quantized_matmul.wrap_matmul(keras_tf.numpy.matmul)
     keras_tf.numpy.einsum = quantized_matmul.wrap_einsum(keras_tf.numpy.einsum)
+    # ... and float8's amax histories, rolled each step.
+    keras_tf.numpy.roll = quantized_float8.wrap_roll(keras_tf.numpy.roll)
     Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.
