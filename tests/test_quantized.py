@@ -188,7 +188,11 @@ def test_int8_lora_fit_equals_one_device():
 @pytest.mark.training
 def test_float8_fit_equals_one_device():
     """float8 training: losses, kernels, and every scale and amax history
-    equal one device's."""
+    equal one device's. Keras' float8 Dense passes its bias through
+    bfloat16, so the bias's gradient is rounded to bfloat16 (8 bits): a sum
+    over rows taken in another order (on a mesh) may round to the
+    neighbouring value, 2**-8 apart, and Adam (lr 1e-2) moves a bias by up
+    to lr x that relative change a step; biases are compared to that."""
     x, y = data()
 
     def run(layout_map):
@@ -213,7 +217,8 @@ def test_float8_fit_equals_one_device():
     histories = [p for p in ref_weights if "amax_history" in p]
     assert len(histories) == 9 and ref_weights["d1/inputs_amax_history"].any()
     for path, value in ref_weights.items():
-        np.testing.assert_allclose(weights[path], value, rtol=1e-5, atol=1e-6,
+        rtol, atol = (1e-2, 2e-4) if path.endswith("/bias") else (1e-5, 1e-6)
+        np.testing.assert_allclose(weights[path], value, rtol=rtol, atol=atol,
                                    err_msg=path)
 
 
