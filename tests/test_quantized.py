@@ -140,16 +140,17 @@ def test_quantize_under_a_plan_equals_one_device(mode):
 
 @pytest.mark.sharding
 @pytest.mark.training
-def test_int8_lora_fit_equals_one_device():
-    """int8, then `enable_lora`, then `fit`: losses, LoRA weights and
-    predictions equal one device's; the int8 kernels stay bit-identical to
-    one device's, before and after."""
+@pytest.mark.parametrize("mode", ("int8", "int4"))
+def test_lora_on_quantized_fit_equals_one_device(mode):
+    """int8 or int4, then `enable_lora`, then `fit`: losses, LoRA weights
+    and predictions equal one device's; the quantized kernels stay
+    bit-identical to one device's, before and after."""
     x, y = data()
 
     def run(layout_map):
         def body():
             model = mlp()
-            model.quantize("int8")
+            model.quantize(mode)
             for name in ("d1", "d2"):
                 model.get_layer(name).enable_lora(2)
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -167,9 +168,9 @@ def test_int8_lora_fit_equals_one_device():
         return model, before, history, weights, model.predict(x, verbose=0)
 
     _, ref_before, ref_history, ref_weights, ref_pred = one_device(
-        "lora", lambda: run(None))
+        ("lora", mode), lambda: run(None))
     model, before, history, weights, pred = run(klm_rules())
-    assert sorted(before) == sorted(ref_before) and len(before) == 3
+    assert sorted(before) == sorted(ref_before) and len(before) >= 3
     for path, kernel in ref_before.items():
         np.testing.assert_array_equal(before[path], kernel, err_msg=path)
         np.testing.assert_array_equal(weights[path], kernel, err_msg=path)
