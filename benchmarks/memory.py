@@ -26,6 +26,14 @@ which the script checks with `klm.fetch_layout`.
 Goal: the sharded weights (and their optimizer slots) take within 2% of
 1/n of their replicated bytes on each device.
 
+Quantized plans: the same model, built under each n-way map and quantized
+with `model.quantize("int8")` inside the scope, against its float plan:
+the int8 kernels (which keep their rules' layouts) take 1/4 of the float
+kernels' bytes on each device, and the scales quantization adds (one
+float32 per output unit, split with their kernel's columns) are listed as
+they are. Goal: int8 kernel bytes / float kernel bytes = 0.25 on every
+device.
+
 Run: KERAS_BACKEND=jax python benchmarks/memory.py
      KERAS_BACKEND=tensorflow python benchmarks/memory.py
 """
@@ -137,6 +145,42 @@ def check_slots(model):
     return bad
 
 
+def quantized_table(console):
+    """Bytes per device of the int8 plan against the float plan, for each
+    n-way map (weights only: a quantized kernel does not train)."""
+    table = Table(
+        title=f"int8 plan vs float plan, bytes per device, {LAYERS}-layer "
+        f"MLP {WIDTH}x{WIDTH}, {DEVICES} devices (from klm.unpack shards)")
+    for col in ("n", "float kernels (MiB)", "int8 kernels (MiB)", "ratio",
+                "int8 scales (KiB)", "all float (MiB)", "all int8 (MiB)",
+                "goal"):
+        table.add_column(col, justify="right")
+    worst = 0.0
+    for n in WAYS:
+        row = []
+        for mode in (None, "int8"):
+            with layout_map_for(n).scope():
+                model = build_model()
+                if mode:
+                    model.quantize(mode)
+            kernels = [w for w in model.weights if w.name == "kernel"]
+            scales = [w for w in model.weights if w.name == "kernel_scale"]
+            row.append((shard_bytes(kernels)[1], shard_bytes(scales)[1],
+                        shard_bytes(model.weights)[1]))
+            del model
+            gc.collect()
+        (fk, _, fall), (qk, qs, qall) = row
+        ratio = qk / fk
+        worst = max(worst, abs(ratio - 0.25))
+        table.add_row(str(n), f"{fk / MB:.3f}", f"{qk / MB:.3f}",
+                      f"{ratio:.4f}", f"{qs / 1024:.1f}", f"{fall / MB:.3f}",
+                      f"{qall / MB:.3f}",
+                      "1/4" if abs(ratio - 0.25) < 1e-9 else "MISSES")
+    console.print(table)
+    console.print(f"int8 kernels / float kernels, busiest device: largest "
+                  f"deviation from 1/4: {worst:.4f}")
+
+
 def main():
     console = Console(width=120)
 
@@ -193,6 +237,7 @@ def main():
     for n in WAYS:
         status = "all match" if not bad_slots[n] else f"MISMATCH {bad_slots[n]}"
         console.print(f"n={n}: optimizer slot layouts vs their weights: {status}")
+    quantized_table(console)
 
 
 if __name__ == "__main__":
