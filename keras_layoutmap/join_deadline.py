@@ -6,10 +6,11 @@ that says why, on every process: never a hang, never a raw runtime abort.
 torch's `init_process_group`). An error the runtime raises becomes a
 `JoinError` naming the run and where it was read from; a runtime still
 waiting at the deadline (a task that never started, a coordinator no one
-can reach) ends the process with that message and status 1, since a join
-blocked in C++ cannot be interrupted. (JAX would abort with a stack trace
-at its own timeout, and DTensor waits an hour.) Backends give their runtime
-a longer timeout than ours, so that ours speaks first.
+can reach) has the process ended (SIGTERM) after that message, by a small
+watcher process: a join blocked in C++ cannot be interrupted, and may hold
+the interpreter's lock. (Left alone, JAX aborts with a stack trace at its
+own timeout, and DTensor keeps waiting.) Backends give their runtime a
+longer timeout than ours, so that ours speaks first.
 
 `KLM_JOIN_TIMEOUT` sets the deadline in seconds (default 300, JAX's own).
 
@@ -24,8 +25,8 @@ keras_layoutmap.join_deadline.JoinError: Process 1 of 2 could not join its run .
 
 import contextlib
 import os
+import subprocess
 import sys
-import threading
 import time
 
 DEFAULT_SECONDS = 300
@@ -63,24 +64,43 @@ def message(cluster, elapsed, error=None):
         f"{seconds():g} s).")
 
 
+# The watcher: a process of its own, since a runtime's join may hold the
+# interpreter's lock (DTensor's does) and no thread of ours would run. It
+# waits `limit` seconds for its stdin to close (the join returned, or this
+# process ended); then it prints the message and ends this process.
+_WATCHER = """
+import os, select, signal, sys, time
+parent, limit = int(sys.argv[1]), float(sys.argv[2])
+message = sys.stdin.buffer.readline()
+ready, _, _ = select.select([sys.stdin], [], [], limit)
+if not ready:
+    sys.stderr.buffer.write(message)
+    sys.stderr.flush()
+    try:
+        os.kill(parent, signal.SIGTERM)
+        time.sleep(5)
+        os.kill(parent, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
 @contextlib.contextmanager
 def deadline(cluster, limit):
     """Run the block (a runtime's join) within `limit` seconds (see the
-    module docstring)."""
+    module docstring): an error it raises becomes a `JoinError`; still
+    running at the deadline, this process is ended (SIGTERM) after the
+    message."""
     start = time.monotonic()
-
-    def expire():
-        sys.stdout.flush()
-        sys.stderr.write(f"JoinError: {message(cluster, limit)}\n")
-        sys.stderr.flush()
-        os._exit(1)
-
-    timer = threading.Timer(limit, expire)
-    timer.daemon = True
-    timer.start()
+    watcher = subprocess.Popen(
+        [sys.executable, "-I", "-c", _WATCHER, str(os.getpid()), str(limit)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    watcher.stdin.write(f"JoinError: {message(cluster, limit)}\n".encode())
+    watcher.stdin.flush()
     try:
         yield
     except Exception as error:
         raise JoinError(message(cluster, time.monotonic() - start, error)) from error
     finally:
-        timer.cancel()
+        watcher.stdin.close()
+        watcher.wait()

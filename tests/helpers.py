@@ -166,6 +166,22 @@ def digits_net(optimizer=None, loss=None, *, before=None, middle=None, d1=None,
     return compile_classifier(model, optimizer, loss, **compile_kwargs)
 
 
+def small_classifier():
+    """A compiled 64 -> 16 -> 10 classifier of `sequential_mlp`, seed 0:
+    the tests' smallest model to train across processes."""
+    return compile_classifier(sequential_mlp(16, 10), accuracy=False)
+
+
+def small_fit(model, rows=96, batch=40):
+    """`model` trained for 2 epochs on the first `rows` digits, the last
+    batch of an epoch short; its losses and weights as lists (JSON)."""
+    x, y = digits_data(rows)
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                        verbose=0).history
+    return {"loss": [float(v) for v in history["loss"]],
+            "weights": [w.tolist() for w in model.get_weights()]}
+
+
 def net_layout_map(mesh, bias=True):
     """Model-parallel rules for d1 -> d2 (a Megatron-style pair): d1's
     kernel split over `model` on its outputs, its bias with them (unless
