@@ -16,7 +16,8 @@ Where a process finds the cluster, first found wins:
   the coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES`,
   `KERAS_DISTRIBUTION_PROCESS_ID`;
 - a cluster scheduler's own variables: SLURM, Open MPI, Kubernetes
-  runtimes (`keras_layoutmap.schedulers`).
+  runtimes (`keras_layoutmap.schedulers`);
+- on JAX, a Cloud TPU job JAX itself detects.
 
 Where a scheduler says there are several tasks, a process never goes on
 alone: it joins the others or raises. Joining ends within
@@ -139,7 +140,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
         not_started = schedulers.not_started(os.environ)
         if not_started is not None:
             raise not_started
-        return None
+        return _join_detected(backends.get())
     if num_processes in (None, 1) and coordinator_address is None and found is None:
         return None
     if found is not None:
@@ -174,6 +175,18 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None):
     per_process = _devices_per_process()
     _join(backend, cluster, None if per_process is None
           else per_process * cluster.num_processes)
+    return cluster
+
+
+def _join_detected(backend):
+    """The cluster a backend's runtime finds by itself (JAX on Cloud TPU),
+    joined; None where it finds none (one process)."""
+    join_detected = getattr(backend, "join_detected", None)
+    cluster = None if join_detected is None else join_detected(
+        join_deadline.seconds())
+    if cluster is None or cluster.num_processes == 1:
+        return None
+    _joined(backend)
     return cluster
 
 

@@ -332,3 +332,22 @@ def test_a_task_that_never_starts_ends_the_others_with_a_clear_error(tmp_path):
     assert "JoinError: Process 0 of 2 could not join its run" in outputs[0]
     assert "SLURM_NTASKS=2" in outputs[0]
     assert not (tmp_path / "rank0.json").exists()
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's own Cloud TPU detection")
+def test_jax_joins_a_cloud_tpu_job_it_detects(monkeypatch, scheduler_environment):
+    import jax
+
+    from keras_layoutmap.backends.jax import processes
+
+    joined = []
+    monkeypatch.setattr(processes, "tpu_job_here", lambda: True)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize",
+                        lambda **kwargs: joined.append(kwargs))
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert klm.initialize() is None  # one TPU host: nothing more to join
+    assert joined == [{"initialization_timeout": 300}]
+    monkeypatch.setattr(processes, "tpu_job_here", lambda: False)
+    assert klm.initialize() is None and len(joined) == 1

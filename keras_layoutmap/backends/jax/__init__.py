@@ -28,6 +28,7 @@ from keras_layoutmap.backends.jax.processes import (  # noqa: F401
     barrier,
     gather_process_batches,
     join,
+    join_detected,
     process_count,
     process_index,
 )

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from keras_layoutmap import join_deadline
 from keras_layoutmap.backends.jax import devices
+from keras_layoutmap.cluster import Cluster
 from keras_layoutmap.processes import devices_per_process
 
 MULTI_PROCESS = True
@@ -75,6 +76,30 @@ def join(cluster, total_devices=None, timeout=None):
             initialization_timeout=int(timeout) + 30,
             heartbeat_timeout_seconds=30,
         )
+
+
+def tpu_job_here():
+    """Whether JAX's own detection finds a Cloud TPU job (a TPU VM on GCE,
+    or GKE's TPU variables; a metadata query only on a TPU VM)."""
+    try:
+        from jax._src.clusters import cloud_tpu_cluster
+    except ImportError:  # a JAX that moved its detection: none found
+        return False
+    kinds = (getattr(cloud_tpu_cluster, name, None)
+             for name in ("GceTpuCluster", "GkeTpuCluster"))
+    return any(kind.is_env_present() for kind in kinds if kind is not None)
+
+
+def join_detected(timeout=None):
+    """Where no variables of ours name a cluster, join the one JAX itself
+    detects on Cloud TPU (`jax.distributed.initialize()` with no
+    arguments). Returns the `Cluster` joined, or None where there is none."""
+    if jax.distributed.is_initialized() or not tpu_job_here():
+        return None
+    timeout = join_deadline.seconds() if timeout is None else timeout
+    jax.distributed.initialize(initialization_timeout=int(timeout))
+    return Cluster("(found by JAX on Cloud TPU)", jax.process_count(),
+                   jax.process_index(), source="JAX's Cloud TPU detection")
 
 
 def process_count():
