@@ -26,8 +26,9 @@ that the three backends join the same way JAX alone would:
   `COORDINATOR_ADDRESS`, `COORDINATOR_PORT`, `NUM_PROCESSES`, `PROCESS_ID`;
   Kubeflow Trainer's torch runtime torchrun's `PET_NNODES`, `PET_NODE_RANK`,
   `PET_MASTER_ADDR`, `PET_MASTER_PORT`. An indexed Job (and a JobSet) gives
-  only `JOB_COMPLETION_INDEX`: a process other than index 0 that finds no
-  count and coordinator elsewhere is an error, never a run of its own.
+  only `JOB_COMPLETION_INDEX`: `klm.initialize()` in a pod other than index 0
+  that finds no count and coordinator elsewhere is an error, never a run
+  of its own.
 
 `MASTER_ADDR` and `MASTER_PORT`, when set without `WORLD_SIZE` (an `sbatch`
 script's `export MASTER_ADDR=$(hostname)`), name the coordinator of the job
@@ -185,7 +186,12 @@ def _slurm(environ):
         # The job's batch script (or an `salloc` shell), not a task that
         # `srun` started: one process, whatever the job was given.
         if count is not None and count > 1:
-            return _NotStarted(v, count)
+            return _NotStarted(
+                f"This process runs in the batch script of a SLURM job of "
+                f"{count} tasks ({v.describe()}), not in a task that `srun` "
+                "started, so it would train alone. Start the script with "
+                "`srun python train.py` (one process per task), or call "
+                "klm.initialize(num_processes=1) to run one process on purpose.")
         return None
     if count is None:
         raise v.error("SLURM_NTASKS is not set")
@@ -230,19 +236,18 @@ def _block_addresses(hosts, per_node, job_id):
 
 
 class _NotStarted:
-    """A SLURM job of several tasks whose batch script runs this process
-    itself, not through `srun`: no cluster to join, and no run alone."""
+    """A job of several tasks that this process runs in, but not as one of
+    its tasks (a SLURM batch script without `srun`), or as one whose job
+    cannot be found (an indexed Job's pod, with an index only): nothing to
+    join, and `klm.initialize()` must not run alone. Anything else (one
+    device, `configure_virtual_devices`) runs as outside a job: such a
+    process may well be meant to run on its own."""
 
-    def __init__(self, variables, count):
-        self.variables, self.count = variables, count
+    def __init__(self, message):
+        self.message = message
 
     def error(self):
-        return RuntimeError(
-            f"This process runs in the batch script of a SLURM job of "
-            f"{self.count} tasks ({self.variables.describe()}), not in a task "
-            f"that `srun` started, so it would train alone. Start the script "
-            f"with `srun python train.py` (one process per task), or call "
-            "klm.initialize(num_processes=1) to run one process on purpose.")
+        return RuntimeError(self.message)
 
 
 # -- Open MPI --------------------------------------------------------------
@@ -327,21 +332,22 @@ def _kubeflow_torch(environ):
 
 
 def _indexed_job(environ):
-    """A Kubernetes indexed Job: an index, and nothing else."""
+    """A Kubernetes indexed Job: an index, and nothing else. Index 0 may
+    be a job of one pod; another index is one pod of several."""
     if "JOB_COMPLETION_INDEX" not in environ:
         return None
     v = _Variables(environ, "Kubernetes indexed Job")
-    index = v.int("JOB_COMPLETION_INDEX")
-    if index > 0:
-        raise v.error(
-            "an indexed Job names neither the number of processes nor the "
-            "coordinator, so this process cannot join its job. Set "
-            "KERAS_DISTRIBUTION_JOB_ADDRESSES (every pod's host:port, process "
-            "0's first), KERAS_DISTRIBUTION_NUM_PROCESSES and "
-            "KERAS_DISTRIBUTION_PROCESS_ID=$(JOB_COMPLETION_INDEX) in the pod "
-            "template, or MASTER_ADDR, MASTER_PORT, WORLD_SIZE and "
-            "RANK=$(JOB_COMPLETION_INDEX)")
-    return None
+    if v.int("JOB_COMPLETION_INDEX") == 0:
+        return None
+    return _NotStarted(
+        f"This process is pod {v.get('JOB_COMPLETION_INDEX')} of a Kubernetes "
+        f"indexed Job ({v.describe()}), which names neither the number of "
+        "processes nor the coordinator, so it cannot join its job and would "
+        "train alone. Set KERAS_DISTRIBUTION_JOB_ADDRESSES (every pod's "
+        "host:port, process 0's first), KERAS_DISTRIBUTION_NUM_PROCESSES and "
+        "KERAS_DISTRIBUTION_PROCESS_ID=$(JOB_COMPLETION_INDEX) in the pod "
+        "template (or MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK), or call "
+        "klm.initialize(num_processes=1) to run one process on purpose.")
 
 
 SCHEDULERS = (_slurm, _open_mpi, _kubeflow_jax, _kubeflow_torch, _indexed_job)
@@ -350,9 +356,8 @@ SCHEDULERS = (_slurm, _open_mpi, _kubeflow_jax, _kubeflow_torch, _indexed_job)
 def detect(environ):
     """The `Cluster` a scheduler's variables in `environ` describe, or None
     where none does (or a job of one task). A job whose variables are
-    missing or disagree is a `ValueError` naming them; a SLURM batch script
-    of several tasks, run without `srun`, a `RuntimeError` (see
-    `not_started`)."""
+    missing or disagree is a `ValueError` naming them. A process inside a
+    job but not one of its tasks gives None here (see `not_started`)."""
     for scheduler in SCHEDULERS:
         found = scheduler(environ)
         if isinstance(found, _NotStarted):
@@ -363,7 +368,12 @@ def detect(environ):
 
 
 def not_started(environ):
-    """The error for a process a scheduler's job of several tasks runs
-    outside its tasks (a SLURM batch script without `srun`), else None."""
-    found = _slurm(environ)
-    return found.error() if isinstance(found, _NotStarted) else None
+    """The error for a process that a scheduler's job of several tasks runs
+    outside its tasks (a SLURM batch script without `srun`, a pod of an
+    indexed Job that names no job), else None. Only `klm.initialize()`
+    raises it."""
+    for scheduler in (_slurm, _indexed_job):
+        found = scheduler(environ)
+        if isinstance(found, _NotStarted):
+            return found.error()
+    return None

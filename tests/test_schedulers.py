@@ -148,10 +148,9 @@ def test_launcher_and_keras_variables_come_before_a_scheduler():
     ({**kubeflow_jax("h:1", 2, 0), "JAX_PROCESS_ID": None}, "JAX_PROCESS_ID"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "h",
       "PET_NPROC_PER_NODE": "4"}, "torchrun"),
-    ({"JOB_COMPLETION_INDEX": "1"}, "cannot join its job"),
 ], ids=["slurm-missing", "slurm-index", "slurm-step-count", "slurm-not-int",
         "slurm-tasks-per-node", "mpi-missing", "mpi-uri", "kubeflow-missing",
-        "pet-per-node", "indexed-job"])
+        "pet-per-node"])
 def test_bad_scheduler_variables_say_which_and_why(env, match):
     env = {k: v for k, v in env.items() if v is not None}
     with pytest.raises(ValueError, match=match) as raised:
@@ -191,14 +190,25 @@ def scheduler_environment(monkeypatch):
     return lambda env: [monkeypatch.setenv(k, v) for k, v in env.items()]
 
 
-def test_a_slurm_batch_script_of_several_tasks_never_runs_alone(
-        scheduler_environment):
+def _batch_script():
     env = slurm(77, 4, 0)
     env.pop("SLURM_STEP_NODELIST")  # the batch script, not an srun step
+    return env
+
+
+@pytest.mark.parametrize("env, match", [
+    (_batch_script(), "srun python train.py"),
+    ({"JOB_COMPLETION_INDEX": "1"}, "pod 1 of a Kubernetes indexed Job"),
+], ids=["slurm-batch-script", "indexed-job-pod"])
+def test_initialize_outside_the_tasks_of_a_job_never_runs_alone(
+        env, match, scheduler_environment):
     scheduler_environment(env)
-    with pytest.raises(RuntimeError, match="srun python train.py"):
+    with pytest.raises(RuntimeError, match=match):
         klm.initialize()
     assert klm.initialize(num_processes=1) is None  # alone, on purpose
+    # ... while a script that joins nothing runs as it would outside a job
+    # (an indexed Job's pods may be meant to run on their own).
+    assert cluster_from_environment() is None
 
 
 def test_configure_virtual_devices_checks_the_job_size(scheduler_environment):
