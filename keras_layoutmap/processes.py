@@ -75,6 +75,8 @@ def cluster_from_environment(environ=None):
         rank = _int(environ, "RANK")
         address = environ.get("MASTER_ADDR", "127.0.0.1")
         port = environ.get("MASTER_PORT")
+        if world == 1 and (rank is None or port is None):
+            return None  # a world of one, as some platforms describe it
         if rank is None or port is None:
             raise ValueError(
                 f"WORLD_SIZE={world} is set, but RANK or MASTER_PORT is not: "

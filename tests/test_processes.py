@@ -31,6 +31,7 @@ def test_cluster_from_keras_environment():
 
 def test_no_cluster_outside_a_launcher():
     assert cluster_from_environment({}) is None
+    assert cluster_from_environment({"WORLD_SIZE": "1"}) is None
 
 
 @pytest.mark.parametrize("env, match", [
