@@ -10,6 +10,7 @@ from a local copy. The data contract is JAX's (see `processes`).
 
 import atexit
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -93,9 +94,26 @@ def join(cluster, total_devices=None, timeout=None):
     atexit.register(_leave)
 
 
+EXIT_WAIT_SECONDS = 300
+
+
 def _leave():
-    if _STATE["clients"] > 1:
-        barrier("klm_exit")
+    """At exit, wait (at most `KLM_EXIT_WAIT` seconds, default 300) until
+    every client gets here: through the coordination service alone, not a
+    collective, so that a client exiting after a failure (pytest's exit
+    with failed tests, `sys.exit(1)`) is not held forever by a peer still
+    in a step; the launcher then ends the run."""
+    if _STATE["clients"] <= 1:
+        return
+    from tensorflow.python.eager import context
+
+    seconds = float(os.environ.get("KLM_EXIT_WAIT", EXIT_WAIT_SECONDS))
+    try:
+        context.context().wait_at_barrier("klm_exit", int(seconds * 1000))
+    except Exception as error:  # a peer that never came: exit all the same
+        print(f"keras_layoutmap: not every process reached the end of the run "
+              f"within {seconds:g} s ({type(error).__name__}); exiting.",
+              file=sys.stderr)
 
 
 def process_count():
