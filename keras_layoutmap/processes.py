@@ -390,6 +390,25 @@ def _backup_saved_once(save_model):
     return _save_model
 
 
+def _backup_restored_together(on_train_begin):
+    """Every process reads the backup before any process writes the next
+    one: process 0 alone writes it, at the end of the next epoch, and a
+    process still reading it then read a file being rewritten (stale
+    weights, or HDF5's 'unable to lock file'). Training steps keep the
+    processes together on a mesh; a model on one device per process takes
+    no collective until that write."""
+
+    @functools.wraps(on_train_begin)
+    def method(self, logs=None):
+        result = on_train_begin(self, logs)
+        backend = backends.get()
+        if backend.process_count() > 1:
+            backend.barrier("klm_backup_restored")
+        return result
+
+    return method
+
+
 def _backup_deleted_once(on_train_end):
     @functools.wraps(on_train_end)
     def method(self, logs=None):
@@ -409,7 +428,8 @@ _INSTALLED = False
 
 def install():
     """Make `Model.save_weights`, `Model.save` and `BackupAndRestore` write
-    once across processes (idempotent)."""
+    once across processes, and `BackupAndRestore` read before anyone
+    writes again (idempotent)."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -421,5 +441,6 @@ def install():
                 _one_writer(getattr(keras_models.Model, name)))
     Backup = keras_callbacks.BackupAndRestore
     Backup._save_model = _backup_saved_once(Backup._save_model)
+    Backup.on_train_begin = _backup_restored_together(Backup.on_train_begin)
     Backup.on_train_end = _backup_deleted_once(Backup.on_train_end)
     _INSTALLED = True

@@ -242,3 +242,50 @@ def test_a_process_that_raises_ends_the_run(tmp_path):
     result = launch(2, script, timeout=240)
     assert result.returncode == 1
     assert "rank 1 fails on purpose" in result.stderr
+
+
+@pytest.mark.processes
+def test_backup_is_read_by_every_process_before_it_is_written_again(tmp_path):
+    """A model on one device per process (no distribution) resumes from
+    BackupAndRestore: process 1 reads the backup late, and process 0, which
+    takes no collective while it trains, must not write the next backup
+    before then. Before, process 1 read a backup of a later epoch (or HDF5
+    could not lock the file) and resumed elsewhere than process 0."""
+    devices = 2
+    script = tmp_path / "resume.py"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        "import keras_layoutmap as klm\n"
+        f"klm.configure_virtual_devices({devices})\n"
+        "import keras, numpy as np\n"
+        "folder = pathlib.Path(sys.argv[1])\n"
+        "x = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\n"
+        "y = x.sum(axis=1, keepdims=True)\n"
+        "class Stop(keras.callbacks.Callback):\n"
+        "    def on_epoch_end(self, epoch, logs=None):\n"
+        "        raise KeyboardInterrupt\n"
+        "class Late(keras.callbacks.Callback):\n"
+        "    def on_train_begin(self, logs=None):\n"
+        "        if klm.process_index() == 1:\n"
+        "            time.sleep(3)\n"
+        "def run(before=(), after=()):\n"
+        "    keras.utils.set_random_seed(0)\n"
+        "    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+        "    model.compile(keras.optimizers.SGD(0.01), 'mse')\n"
+        "    backup = keras.callbacks.BackupAndRestore(str(folder / 'backup'))\n"
+        "    return model, model.fit(x, y, batch_size=16, epochs=4, verbose=0,\n"
+        "                            shuffle=False,\n"
+        "                            callbacks=[*before, backup, *after])\n"
+        "try:\n"
+        "    run(after=[Stop()])\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "model, history = run(before=[Late()])\n"
+        "weights = model.get_weights()[0].round(6).tolist()\n"
+        "(folder / str(klm.process_index())).write_text(\n"
+        "    repr((len(history.history['loss']), weights)))\n")
+    result = launch(2, script, tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = [(tmp_path / r).read_text() for r in "01"]
+    assert first == second
+    assert first.startswith("(3,")  # resumed after the first epoch
