@@ -77,6 +77,12 @@ def join(cluster, total_devices=None, timeout=None):
     kind = devices.kind()
     if kind == "GPU" and cluster.accelerator_index() is not None:
         gpus = tf.config.list_physical_devices("GPU")
+        if cluster.accelerator_index() >= len(gpus):
+            raise RuntimeError(
+                f"This process has local rank {cluster.accelerator_index()} "
+                f"(read from {cluster.source}), but TensorFlow sees "
+                f"{len(gpus)} GPU(s) on this host: start at most one process "
+                "per GPU, or one process per host, which takes them all.")
         tf.config.set_visible_devices(gpus[cluster.accelerator_index()], "GPU")
     os.environ["DTENSOR_CLIENT_ID"] = str(cluster.process_id)
     os.environ["DTENSOR_NUM_CLIENTS"] = str(cluster.num_processes)
