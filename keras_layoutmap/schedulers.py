@@ -202,15 +202,22 @@ def _slurm(environ):
     index = v.int("SLURM_PROCID", required=True)
     local_rank = v.int("SLURM_LOCALID", required=True)
     hosts = expand_hostlist(nodelist)
-    per_node = v.get("SLURM_STEP_TASKS_PER_NODE") or v.get("SLURM_TASKS_PER_NODE")
-    per_node = expand_tasks_per_node(per_node) if per_node else None
-    if per_node is None and (v.int("SLURM_NTASKS_PER_NODE") or len(hosts) == 1):
-        per_node = [v.int("SLURM_NTASKS_PER_NODE") or count] * len(hosts)
+    step_spec = v.get("SLURM_STEP_TASKS_PER_NODE")
+    per_node = expand_tasks_per_node(step_spec) if step_spec else None
+    if per_node is not None and (len(per_node) != len(hosts)
+                                 or sum(per_node) != count):
+        raise v.error(f"{len(hosts)} node(s) with {per_node} tasks do not "
+                      f"make the {count} tasks")
+    if per_node is None:
+        # The job's own layout (a step may use less of the job): used only
+        # where it fits this step.
+        job_spec = v.get("SLURM_TASKS_PER_NODE")
+        per_node = (expand_tasks_per_node(job_spec) if job_spec else
+                    [v.int("SLURM_NTASKS_PER_NODE") or count] * len(hosts))
+        if len(per_node) != len(hosts) or sum(per_node) != count:
+            per_node = None
     local_size = addresses = None
     if per_node is not None:
-        if len(per_node) != len(hosts) or sum(per_node) != count:
-            raise v.error(f"{len(hosts)} node(s) with {per_node} tasks do not "
-                          f"make the {count} tasks")
         node = v.int("SLURM_NODEID")
         starts = [sum(per_node[:i]) for i in range(len(per_node))]
         by_block = [i for i, start in enumerate(starts) if start <= index][-1]

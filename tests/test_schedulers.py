@@ -72,6 +72,17 @@ def test_slurm_step_across_nodes():
     assert "SLURM_PROCID=5" in cluster.source
 
 
+def test_a_step_smaller_than_its_job_ignores_the_jobs_layout():
+    """`srun -n 2` inside a job of 8 tasks: the job's tasks per node do not
+    describe the step, and are no error; the step's own are."""
+    env = slurm(70002, 2, 1, nodes="gpu[003-004]", per_node=1)
+    env.pop("SLURM_STEP_TASKS_PER_NODE")
+    env["SLURM_TASKS_PER_NODE"] = "4(x2)"
+    cluster = cluster_from_environment(env)
+    assert (cluster.num_processes, cluster.process_id) == (2, 1)
+    assert cluster.addresses is None and cluster.local_size is None
+
+
 @pytest.mark.parametrize("nodes, first", [
     ("node001", "node001"), ("node001,host2", "node001"),
     ("node[001-0015],host2", "node001"), ("node[007,009-011]", "node007")])
