@@ -92,15 +92,19 @@ def deadline(cluster, limit):
     running at the deadline, this process is ended (SIGTERM) after the
     message."""
     start = time.monotonic()
-    watcher = subprocess.Popen(
-        [sys.executable, "-I", "-c", _WATCHER, str(os.getpid()), str(limit)],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-    watcher.stdin.write(f"JoinError: {message(cluster, limit)}\n".encode())
-    watcher.stdin.flush()
+    try:
+        watcher = subprocess.Popen(
+            [sys.executable, "-I", "-c", _WATCHER, str(os.getpid()), str(limit)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        watcher.stdin.write(f"JoinError: {message(cluster, limit)}\n".encode())
+        watcher.stdin.flush()
+    except OSError:  # no interpreter to start (an embedded Python): the
+        watcher = None  # runtime's own timeout is the limit
     try:
         yield
     except Exception as error:
         raise JoinError(message(cluster, time.monotonic() - start, error)) from error
     finally:
-        watcher.stdin.close()
-        watcher.wait()
+        if watcher is not None:
+            watcher.stdin.close()
+            watcher.wait()
