@@ -44,6 +44,7 @@ __all__ = [
     "Report",
     "StrictModeError",
     "WeightRow",
+    "auto_layout_map",
     "configure_virtual_devices",
     "copy_to_mesh",
     "create_mesh",
@@ -80,6 +81,7 @@ if not _LIGHT:
     from keras_layoutmap import placement as _placement
     from keras_layoutmap import processes as _processes
     from keras_layoutmap import trainer as _trainer
+    from keras_layoutmap.auto_plan import auto_layout_map
     from keras_layoutmap.data import (
         copy_to_mesh,
         distribute,

@@ -1,8 +1,9 @@
 """`python -m keras_layoutmap explain` (or `klm explain`): check a sharding
 plan from the command line, without allocating the weights.
 
-    klm explain MODEL --mesh batch=1,model=8 [--rules FILE] [--json] [--strict]
-                      [--optimizer adam] [--device-memory 16GiB] [--show REGEX]
+    klm explain MODEL --mesh batch=1,model=8 [--rules FILE | --auto] [--json]
+                      [--strict] [--optimizer adam] [--device-memory 16GiB]
+                      [--show REGEX] [--write-rules FILE]
 
 MODEL is `module:function` (a function that returns a model, importable from
 the current folder or `PYTHONPATH`) or a `.keras` file. The model is built
@@ -15,16 +16,22 @@ devices this machine has (a plan for a cluster, checked on a laptop).
 Rules come from `--rules` (a JSON, YAML or TOML rules file, see
 `LayoutMap.from_file`), or else from the model's own
 `get_layout_map(device_mesh)` (keras-hub backbones have one; a task model's
-`backbone` is asked too).
+`backbone` is asked too). `--auto` plans the model with
+`klm.auto_layout_map` instead (with `--device-memory`, weights are split
+over the data axis only as far as they need to fit), and the table says why
+each weight got its layout; `--write-rules FILE` (`.json`, `.yaml`) saves
+the rules, to edit and pass back with `--rules`.
 
 `--optimizer adam` adds gradients and the optimizer's state to the memory
 per device, `--device-memory 16GiB` marks a plan that needs more.
 
 Exit status: 0; 1 when `--strict` finds a rule that matches no weight, a
-large weight no rule places, or a plan over `--device-memory`; 2 for bad
-input (a missing file, a mesh or a device memory that cannot be parsed, a
-rules file of the wrong schema, a model that cannot be built, an unknown
-optimizer).
+large weight no rule places, or a plan over `--device-memory`, and when the
+rules cannot place the model (a rule whose mesh axis does not divide a
+weight) or no automatic plan fits `--device-memory`; 2 for bad input (a
+missing file, a mesh or a device memory that cannot be parsed, a rules file
+of the wrong schema, a model that cannot be built, an unknown optimizer).
+Every error is one line on stderr, never a traceback.
 
 This module imports nothing heavy until the arguments are parsed: `--help`
 needs no Keras and no backend.
@@ -44,6 +51,11 @@ MAX_MESH_DEVICES = 1 << 20
 
 class InputError(Exception):
     """Bad input on the command line: reported in one line, exit status 2."""
+
+
+class PlanRefused(Exception):
+    """The rules cannot place the model, or no plan fits: one line, exit
+    status 1."""
 
 
 def parse_mesh(text):
@@ -109,10 +121,32 @@ def build_parser():
         help="the mesh's axes and sizes, e.g. batch=1,model=8; it may be "
         "larger than this machine's devices",
     )
-    explain.add_argument(
+    source = explain.add_mutually_exclusive_group()
+    source.add_argument(
         "--rules", metavar="FILE",
         help="a JSON, YAML or TOML rules file; default: the model's own "
         "get_layout_map(mesh)",
+    )
+    source.add_argument(
+        "--auto", action="store_true",
+        help="plan the model automatically (klm.auto_layout_map): tensor "
+        "parallel over --model-axis, and over --data-axis as memory needs; "
+        "the table says why each weight got its layout",
+    )
+    explain.add_argument(
+        "--model-axis", default="model", metavar="AXIS",
+        help="with --auto: the mesh axis tensor parallelism splits over "
+        "(default: model)",
+    )
+    explain.add_argument(
+        "--data-axis", default="batch", metavar="AXIS",
+        help="with --auto: the mesh axis batches (and, as memory needs, "
+        "weights) are split over (default: batch)",
+    )
+    explain.add_argument(
+        "--write-rules", metavar="FILE", default=None,
+        help="write the plan's rules to FILE (.json, .yaml or .yml), to edit "
+        "and pass back with --rules",
     )
     explain.add_argument(
         "--json", action="store_true",
@@ -162,6 +196,9 @@ def main(argv=None):
     except InputError as e:
         print(f"klm explain: error: {e}", file=sys.stderr)
         return 2
+    except PlanRefused as e:
+        print(f"klm explain: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _full_package():
@@ -183,12 +220,12 @@ def planning_mesh(dims):
 def build_model(spec):
     """The model named by `spec`, built with shapes only (no weight gets
     memory)."""
-    import keras
+    from keras_layoutmap.auto_plan import build_shapes_only
 
-    with keras.StatelessScope(initialize_variables=False):
-        if spec.endswith(".keras"):
-            return _load_keras_file(spec)
-        return _call_builder(spec)
+    if spec.endswith(".keras"):
+        return build_shapes_only(lambda: _load_keras_file(spec),
+                                 keep_names=False)
+    return build_shapes_only(lambda: _call_builder(spec), keep_names=False)
 
 
 def _call_builder(spec):
@@ -214,7 +251,12 @@ def _call_builder(spec):
         if not hasattr(builder, part):
             raise InputError(f"module {module_name!r} has no {attr!r} (MODEL {spec!r})")
         builder = getattr(builder, part)
-    model = builder() if callable(builder) else builder
+    try:
+        model = builder() if callable(builder) else builder
+    except Exception as e:
+        raise InputError(
+            f"building MODEL {spec!r} failed: {type(e).__name__}: {e}"
+        ) from None
     import keras
 
     if not isinstance(model, keras.Model):
@@ -263,6 +305,10 @@ def _explain(args):
     mesh = planning_mesh(args.mesh)
     if args.rules is not None and not os.path.exists(args.rules):
         raise InputError(f"rules file {args.rules!r} does not exist")
+    if args.write_rules is not None and not args.write_rules.endswith(
+            (".json", ".yaml", ".yml")):
+        raise InputError(f"--write-rules {args.write_rules!r}: expected a "
+                         ".json, .yaml or .yml file")
     model = build_model(args.model)
     if args.rules is not None:
         try:
@@ -270,6 +316,8 @@ def _explain(args):
         except (ValueError, TypeError) as e:
             raise InputError(str(e)) from None
         source = args.rules
+    elif args.auto:
+        layout_map, source = _auto_layout_map(klm, model, mesh, args)
     else:
         layout_map, source = _model_layout_map(model, mesh)
     if args.strict:
@@ -281,8 +329,11 @@ def _explain(args):
                                     device_memory=args.device_memory)
     except (ValueError, TypeError) as e:
         if args.optimizer is None or "optimizer" not in str(e):
-            raise
+            raise PlanRefused(f"the rules from {source} cannot place "
+                              f"{model.name!r}: {e}") from None
         raise InputError(f"--optimizer: {e}") from None
+    if args.write_rules is not None:
+        _write_rules(layout_map, args.write_rules)
     params = sum(math.prod(r.shape) for r in report.rows)
     if args.json:
         document = {"model": args.model, "model_name": model.name,
@@ -300,6 +351,34 @@ def _explain(args):
             except ValueError as e:
                 raise InputError(f"--show: {e}") from None
     return 1 if args.strict and report.findings else 0
+
+
+def _auto_layout_map(klm, model, mesh, args):
+    """`klm.auto_layout_map` of the model, its errors as one line."""
+    try:
+        plan = klm.auto_layout_map(
+            model, mesh, model_axis=args.model_axis,
+            data_axis=args.data_axis, device_memory=args.device_memory)
+    except (ValueError, TypeError, RuntimeError) as e:
+        kind = PlanRefused if "device_memory" in str(e) else InputError
+        raise kind(str(e)) from None
+    return plan, "klm.auto_layout_map"
+
+
+def _write_rules(layout_map, path):
+    """The map's rules (and reasons) to a JSON or YAML file."""
+    config = layout_map.get_config()
+    try:
+        with open(path, "w") as f:
+            if path.endswith(".json"):
+                json.dump(config, f, indent=2)
+                f.write("\n")
+            else:
+                import yaml
+
+                yaml.safe_dump(config, f, sort_keys=False)
+    except OSError as e:
+        raise InputError(f"--write-rules: cannot write {path!r}: {e}") from None
 
 
 if __name__ == "__main__":

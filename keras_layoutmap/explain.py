@@ -47,6 +47,7 @@ class WeightRow:
     alternatives: int = 1
     refused: tuple = ()
     follows: object = None
+    reason: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Report:
                     "refused": [{"layout": specs, "reason": why}
                                 for specs, why in r.refused],
                     "follows": r.follows,
+                    "reason": r.reason,
                 }
                 for r in self.rows
             ],
@@ -132,8 +134,9 @@ class Report:
         from rich.table import Table
 
         table = Table(title="LayoutMap.explain", show_lines=False)
+        reasons = any(r.reason is not None for r in self.rows)
         for col in ("object path", "variable path", "shape", "rule",
-                    "layout", "bytes/device"):
+                    "layout", "bytes/device") + (("why",) if reasons else ()):
             table.add_column(
                 col, overflow="fold",
                 justify="right" if col == "bytes/device" else "left",
@@ -148,6 +151,7 @@ class Report:
             table.add_row(
                 r.object_path, r.path, str(r.shape), rule,
                 layout, f"{r.bytes_per_device:,}",
+                *((r.reason or "-",) if reasons else ()),
             )
         out = io.StringIO()
         console = Console(file=out, width=width, color_system=None,
@@ -199,6 +203,12 @@ def _findings(rows, unused, layout_map):
     return found
 
 
+def _reason_of(layout_map, rule):
+    """Why `rule` gives its layout, where the map records it."""
+    reason = getattr(layout_map, "reason", None)
+    return None if reason is None or rule is None else reason(rule)
+
+
 def explain(model, layout_map, optimizer=None, device_memory=None):
     """Resolve every weight of `model` against `layout_map`; with the
     memory each device holds (see `keras_layoutmap.memory`)."""
@@ -231,6 +241,7 @@ def explain(model, layout_map, optimizer=None, device_memory=None):
                     (lt.sharding_specs, why) for lt, why in choice.refused
                 ),
                 follows=None if choice is None else choice.follows,
+                reason=_reason_of(layout_map, rule),
             )
         )
     keys = list(layout_map)

@@ -20,7 +20,8 @@ from keras_layoutmap.layout import is_spec_sequence
 from keras_layoutmap.mesh import Mesh, as_mesh
 
 DEFAULT_MAX_REPLICATED_BYTES = 1 << 20
-_KEYS = {"mesh", "rules", "strict", "max_replicated_bytes", "search"}
+_KEYS = {"mesh", "rules", "strict", "max_replicated_bytes", "search",
+         "reasons"}
 
 
 def rules_config(rule_map):
@@ -40,6 +41,9 @@ def rules_config(rule_map):
         config["search"] = True
     if rule_map.max_replicated_bytes != DEFAULT_MAX_REPLICATED_BYTES:
         config["max_replicated_bytes"] = rule_map.max_replicated_bytes
+    reasons = getattr(rule_map, "_reasons", {})
+    if reasons:
+        config["reasons"] = dict(reasons)
     return config
 
 
@@ -84,6 +88,14 @@ def build_from_config(cls, config, mesh=None):
     for n, entry in enumerate(rules):
         key, specs = _rule_entry(n, entry)
         layout_map[key] = _specs_value(specs)
+    reasons = config.get("reasons") or {}
+    if not isinstance(reasons, dict):
+        raise ValueError(
+            "The 'reasons' of a LayoutMap config map rules to text. "
+            f"Received: {reasons!r}")
+    for key, reason in reasons.items():
+        if key in layout_map._layout_map:  # a rule edited away: no reason
+            layout_map.set_reason(key, reason)
     return layout_map
 
 
@@ -100,6 +112,9 @@ def build_from_keras(cls, layout_map, mesh=None):
             result[key] = [tuple(lt.axes) for lt in layouts]
         else:
             result[key] = tuple(layout_map._layout_map[key].axes)
+        reason = getattr(layout_map, "_reasons", {}).get(key)
+        if reason is not None:
+            result.set_reason(key, reason)
     return result
 
 

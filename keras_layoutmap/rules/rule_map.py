@@ -75,6 +75,7 @@ class RuleMap(keras_distribution.LayoutMap):
         self.max_replicated_bytes = max_replicated_bytes
         self._alternatives = {}  # rule -> (Layout, ...): its layouts in order
         self._patterns = {}  # rule -> compiled regex
+        self._reasons = {}  # rule -> why it has its layout (auto plans)
         # False: a rule fullmatches a key (TF-Keras 2). True: it matches
         # anywhere in it, `re.search`, as `keras.distribution.LayoutMap`
         # does; maps made from Keras' (`from_keras`) keep Keras' meaning.
@@ -204,7 +205,23 @@ class RuleMap(keras_distribution.LayoutMap):
         del self._layout_map[key]
         self._alternatives.pop(key, None)
         self._patterns.pop(key, None)
+        self._reasons.pop(key, None)
         self._changed()
+
+    def set_reason(self, key, reason):
+        """Record why rule `key` has its layout (a short phrase, e.g.
+        `"column-parallel: feeds ffw_linear"`); `explain()` shows it.
+        `klm.auto_layout_map` gives every rule one."""
+        if key not in self._layout_map:
+            raise KeyError(f"No rule {key!r} in this LayoutMap.")
+        if reason is None:
+            self._reasons.pop(key, None)
+        else:
+            self._reasons[key] = str(reason)
+
+    def reason(self, key):
+        """Why rule `key` has its layout (see `set_reason`), or None."""
+        return self._reasons.get(key)
 
     def __getitem__(self, key):
         """The layout for `key`: an exact key, else the first matching rule,
