@@ -47,13 +47,16 @@ def keras_mesh(shape, names):
         shape, names, devices=keras.distribution.list_devices())
 
 
-def assert_equal_results(got, expected, rtol, atol):
+def assert_equal_results(got, expected, tolerance):
+    """Every number of `expected` in `got`: integers (ids, int8 kernels)
+    identical, floats to `tolerance(key)`, an (rtol, atol) pair."""
     assert sorted(got) == sorted(expected)
     for key in expected:
         a, b = np.asarray(got[key]), np.asarray(expected[key])
         if a.dtype.kind in "iub":
             np.testing.assert_array_equal(a, b, err_msg=key)
         else:
+            rtol, atol = tolerance(key)
             np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=key)
 
 
@@ -371,10 +374,235 @@ def hub_preset(distributed, folder):
     return lm_weights(loaded)
 
 
+# -- quantized models ------------------------------------------------------------
+
+QUANTIZED_MODES = ("int8", "int4", "float8")
+SITUATIONS = ("distribution set", "inside a scope", "placed model")
+
+
+def quantized_mlp():
+    """16 -> 32 -> 16 -> 8: d1 split by columns, d2 by rows, d3 unplaced."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dense(16, activation="relu", name="d2")(x)
+    return keras.Model(inputs, keras.layers.Dense(8, name="d3")(x))
+
+
+def regression_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(16, 16)).astype("float32"),
+            rng.normal(size=(16, 8)).astype("float32"))
+
+
+def quantized_klm_rules():
+    """klm's own (full-match) rules for `quantized_mlp`."""
+    layout_map = klm.LayoutMap(
+        klm.create_mesh([("batch", DEVICES // 2), ("model", 2)]))
+    layout_map[r"d1\.kernel"] = (None, "model")
+    layout_map[r"d1\.bias"] = ("model",)
+    layout_map[r"d2\.kernel"] = ("model", None)
+    return layout_map
+
+
+def quantized_keras_rules():
+    """The same plan written Keras' way: a rule matches anywhere in a path,
+    so `d1/kernel` also matches `d1/kernel_scale`."""
+    layout_map = keras.distribution.LayoutMap(
+        keras_mesh((DEVICES // 2, 2), ["batch", "model"]))
+    for key, axes in MODEL_RULES.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map,
+                                            batch_dim_name="batch")
+
+
+def quantized_on_the_mesh(mode, situation):
+    """`quantized_mlp()` quantized to `mode` on the mesh, in `situation`."""
+    if situation == "distribution set":  # Keras' classes, set globally
+        keras.distribution.set_distribution(quantized_keras_rules())
+        model = quantized_mlp()
+        model.quantize(mode)
+        return model
+    layout_map = quantized_klm_rules()
+    with layout_map.scope():
+        model = quantized_mlp()
+        if situation == "inside a scope":
+            model.quantize(mode)
+    if situation == "placed model":
+        model.quantize(mode)  # outside the scope: placed at the next call
+    return model
+
+
+def held_specs(variable):
+    return tuple(None if s in (None, klm.UNSHARDED) else s
+                 for s in klm.fetch_layout(variable).sharding_specs)
+
+
+def planned_specs(path, shape):
+    """What the plan gives each weight of a quantized `quantized_mlp()`:
+    d1's kernel split by columns (over "model"), d2's by rows; every
+    variable quantization adds split where its dimension is the kernel's
+    split one (d1's units, d2's inputs for int4's g_idx), LoRA's matrices
+    as their kernel's split, else replicated."""
+    layer, name = path.split("/")[-2:]
+    rank = len(shape)
+    if name == "kernel":
+        return {"d1": (None, "model"), "d2": ("model", None)}.get(layer, (None, None))
+    if name == "bias":
+        return ("model",) if layer == "d1" else (None,)
+    if layer == "d1" and name in ("kernel_scale", "kernel_zero") and rank:
+        return (None,) * (rank - 1) + ("model",)
+    if layer == "d2" and name == "g_idx":
+        return ("model",)
+    # LoRA: d1's b takes its kernel's columns, d2's a its rows
+    if (layer, name) == ("d1", "lora_kernel_b"):
+        return (None, "model")
+    if (layer, name) == ("d2", "lora_kernel_a"):
+        return ("model", None)
+    return (None,) * rank
+
+
+def assert_held_as_planned(model):
+    assert any(str(v.dtype) == "int8" or "amax" in v.path
+               for v in model.weights)  # it did quantize
+    for v in model.weights:
+        assert held_specs(v) == planned_specs(v.path, v.shape), v.path
+
+
+@row("quantized-predict")
+def quantized_predict(distributed, folder):
+    x, _ = regression_data()
+    out = {}
+    for mode in QUANTIZED_MODES:
+        if not distributed:
+            model = quantized_mlp()
+            model.quantize(mode)
+            out.update(dict.fromkeys(
+                (f"{mode}, {s}" for s in SITUATIONS),
+                model.predict(x, verbose=0)))
+            continue
+        for situation in SITUATIONS:
+            try:
+                model = quantized_on_the_mesh(mode, situation)
+                out[f"{mode}, {situation}"] = model.predict(x, verbose=0)
+                assert_held_as_planned(model)
+            finally:
+                keras.distribution.set_distribution(None)
+    return out
+
+
+def quantized_fit(distributed, mode, optimizer, lora):
+    """`quantized_mlp()` quantized to `mode` (LoRA of rank 2 on d1 and d2
+    if `lora`), trained 2 epochs: losses, every weight (int8 kernels
+    compared exactly), predictions; on the mesh, the quantized kernels
+    before training too."""
+    x, y = regression_data()
+
+    def body():
+        model = quantized_mlp()
+        model.quantize(mode)
+        if lora:
+            for name in ("d1", "d2"):
+                model.get_layer(name).enable_lora(2)
+        model.compile(optimizer=optimizer, loss="mse")
+        return model
+
+    if distributed:
+        with quantized_klm_rules().scope():
+            model = body()
+    else:
+        model = body()
+    before = {f"before {v.path}": keras.ops.convert_to_numpy(v)
+              for v in model.weights if str(v.dtype) == "int8"}
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    if distributed:
+        assert_held_as_planned(model)
+    return {"loss": history["loss"], **before,
+            "predict": model.predict(x, verbose=0), **lm_weights(model)}
+
+
+@row("quantized-lora-fit")
+def quantized_lora_fit(distributed, folder):
+    out = {}
+    for mode in ("int8", "int4"):
+        got = quantized_fit(distributed, mode, keras.optimizers.SGD(0.1), True)
+        for path in [p for p in got if p.startswith("before ")]:
+            # the frozen quantized kernels: bit-identical after training
+            np.testing.assert_array_equal(got[path[len("before "):]], got[path])
+        assert sum("lora" in p for p in got) == 4
+        out.update({f"{mode} {k}": v for k, v in got.items()})
+    return out
+
+
+@row("quantized-float8-fit")
+def quantized_float8_fit(distributed, folder):
+    got = quantized_fit(distributed, "float8", keras.optimizers.Adam(1e-2),
+                        False)
+    assert len([p for p in got if "amax_history" in p]) == 9
+    return got
+
+
+LLAMA = dict(vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
+             num_key_value_heads=4, hidden_dim=16, intermediate_dim=32)
+
+
+QUERY_SCALES = {
+    "Gemma": ("decoder_block_0/attention/query/kernel_scale",
+              (None, None, "model", None)),
+    "Llama": ("transformer_layer_0/self_attention/query/kernel_scale",
+              (None, None, "batch", None))}
+
+
+@row("hub-int8-generate")
+def hub_int8_generate(distributed, folder):
+    hub = keras_hub()
+    out = {}
+    for arch, config in (("Gemma", GEMMA), ("Llama", LLAMA)):
+        backbone_cls = getattr(hub.models, f"{arch}Backbone")
+        distribution = keras.distribution.ModelParallel(
+            layout_map=backbone_cls.get_layout_map(
+                keras_mesh((DEVICES // 2, 2), ("batch", "model"))),
+            batch_dim_name="batch")
+        with (distribution.scope() if distributed else _nothing()):
+            keras.utils.set_random_seed(0)
+            lm = getattr(hub.models, f"{arch}CausalLM")(
+                backbone=backbone_cls(**config), preprocessor=None)
+            lm.quantize("int8")
+            out[arch] = generated(lm, mixed_prompts(8))["ids"]
+        if not distributed:
+            continue
+        held = {v.path: held_specs(v) for v in lm.weights}
+        for v in lm.weights:  # each kernel where the recipe's rule puts it
+            if str(v.dtype) == "int8":
+                planned = distribution.get_variable_layout(v).axes
+                assert held[v.path] == tuple(planned), v.path
+        # A scale follows its kernel's split dimension: the query kernel's
+        # heads (Gemma's dimension 0 over "model", Llama's 1 over "batch")
+        # are dimension 2 of its (1, 1, heads, head_dim) scale.
+        scale, axes = QUERY_SCALES[arch]
+        assert held[scale] == axes, scale
+        assert held["token_embedding/embeddings_scale"] == ("model",)
+    return out
+
+
+def float8_tolerance(key):
+    """Keras' float8 Dense passes its bias through bfloat16, so the bias's
+    gradient is rounded to 8 bits: a sum over rows taken in another order
+    (on a mesh) may round to the neighbouring value, 2**-8 apart, and Adam
+    (lr 1e-2) moves a bias by up to lr x that a step. Everything else,
+    amax histories and scales included, to float32 rounding."""
+    return (1e-2, 2e-4) if key.endswith("/bias") else (1e-5, 1e-6)
+
+
+# (rtol, atol), or a function of the key giving them; else (1e-4, 1e-5).
 TOLERANCE = {"keras-data-parallel": (1e-5, 2e-6),
              "keras-model-parallel": (1e-5, 2e-6),
              "klm-strict-two-models": (1e-5, 2e-6),
-             "callbacks": (1e-5, 2e-6)}
+             "callbacks": (1e-5, 2e-6),
+             "quantized-predict": (1e-5, 1e-6),
+             "quantized-lora-fit": (1e-5, 1e-6),
+             "quantized-float8-fit": float8_tolerance}
 
 
 # Rows whose one-device numbers are another row's: the same code runs
@@ -400,5 +628,6 @@ def test_workflow(name, tmp_path):
     reference = ROWS[SAME_REFERENCE.get(name, name)]
     expected = one_device(reference, tmp_path.parent / "one-device")
     got = function(True, tmp_path)
-    rtol, atol = TOLERANCE.get(name, (1e-4, 1e-5))
-    assert_equal_results(got, expected, rtol, atol)
+    tolerance = TOLERANCE.get(name, (1e-4, 1e-5))
+    assert_equal_results(got, expected, tolerance if callable(tolerance)
+                         else lambda key: tolerance)

@@ -109,6 +109,30 @@ WORKFLOWS = (
     Workflow("hub-lora",
              "The recipe, `backbone.enable_lora(2)`, then `fit`: the LoRA "
              "weights equal one device's, the frozen ones bit-identical."),
+    Workflow("quantized-predict",
+             "`model.quantize(mode)` for int8, int4 and float8 of a Functional "
+             "MLP: with Keras' `ModelParallel` set (its rule `d1/kernel` also "
+             "matches `d1/kernel_scale`), inside a klm `LayoutMap.scope()`, "
+             "and on a model placed before `quantize`; `predict` equal, every "
+             "quantized kernel where its rule puts it and each added variable "
+             "(scales, zero points, int4's `g_idx`, float8's amax histories) "
+             "following the kernel's split, read from the backend."),
+    Workflow("quantized-lora-fit",
+             "int8 and int4, then `enable_lora(2)`, then `fit` under klm "
+             "rules: losses, LoRA weights and predictions equal; the "
+             "quantized kernels bit-identical to one device's, before and "
+             "after training."),
+    Workflow("quantized-float8-fit",
+             "`quantize(\"float8\")`, then `fit` with Adam under klm rules: "
+             "losses, kernels, scales and every amax history equal (biases "
+             "to bfloat16 rounding: Keras' float8 Dense rounds their "
+             "gradient)."),
+    Workflow("hub-int8-generate",
+             "keras-hub's recipe (`get_layout_map` under Keras' "
+             "`ModelParallel`) for tiny `GemmaCausalLM` and `LlamaCausalLM`, "
+             "`quantize(\"int8\")` inside the scope, greedy `generate()` of "
+             "prompts of mixed lengths: ids identical, every int8 kernel "
+             "where the recipe's rule puts it, scales following it."),
     Workflow("hub-preset",
              "The recipe, `save_to_preset` then `from_preset` of that folder "
              "under the distribution: weights exact, laid out as the rules "
