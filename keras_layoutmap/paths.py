@@ -77,10 +77,17 @@ def _attribute_children(attributes):
             # torch.nn.Module keeps sublayer attributes here, not in vars().
             yield from _attribute_children(value)
             continue
-        if attr in _SKIPPED_ATTRIBUTES or attr.startswith("_self_"):
-            continue  # Keras' own tracking (and tf.Module's on TensorFlow)
+        if attr in _SKIPPED_ATTRIBUTES:
+            continue  # Keras' own tracking
         if isinstance(value, keras_layers.Layer):
+            # A layer held directly is a child, whatever its attribute's
+            # name: keras-hub keeps attention in `_self_attention_layer`.
+            # Were it skipped, its weights would get one object path while
+            # created (the attention layer taken for a root) and another, or
+            # none, in `explain`: a rule applied and not reported.
             yield attr, value
+        elif attr.startswith("_self_"):
+            continue  # tf.Module's tracking containers on TensorFlow
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 if isinstance(item, keras_layers.Layer):

@@ -74,6 +74,36 @@ def test_bottom_up_path_agrees_with_top_down():
     assert paths.object_path(layer, "kernel") == "lonely.kernel"
 
 
+class SelfAttentionHolder(keras.layers.Layer):
+    """keras-hub's transformer layers keep attention in an attribute named
+    `_self_attention_layer`, made in `build()`."""
+
+    def build(self, shape):
+        self._self_attention_layer = Block(name="self_attention")
+        self._self_attention_layer.build(shape)
+
+    def call(self, x):
+        return self._self_attention_layer(x)
+
+
+def test_a_layer_under_a_self_prefixed_attribute_has_one_path():
+    """The path a weight gets while it is created (a rule placing it) is
+    the one `explain` reports: an attribute starting with `_self_` holding
+    a layer is a child like any other (tf.Module's own `_self_...`
+    containers are not)."""
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, SelfAttentionHolder(name="decoder")(inputs))
+    dense = model.get_layer("decoder")._self_attention_layer.dense
+    expected = "decoder._self_attention_layer.dense.kernel"
+    assert paths.object_path(dense, "kernel") == expected
+    assert _by_path(model)[dense.kernel.path] == expected
+    layout_map = klm.LayoutMap(fake_mesh([("batch", 4), ("model", 2)]))
+    layout_map[r"decoder\._self_attention_layer\.dense\.kernel"] = (None, "model")
+    row = next(r for r in layout_map.explain(model).rows
+               if r.path == dense.kernel.path)
+    assert row.object_path == expected and row.rule is not None
+
+
 def test_explain_report():
     mesh = fake_mesh([("batch", 4), ("model", 2)])
     lm = klm.LayoutMap(mesh)
