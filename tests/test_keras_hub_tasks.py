@@ -1,11 +1,12 @@
 """keras-hub task models other than Gemma under Keras' own `ModelParallel`
 with their backbone's `get_layout_map` (keras-hub's distributed-tuning
 recipe, unchanged but for `import keras_layoutmap`): `CausalLM.fit` and
-greedy `generate()` equal to one device, the layouts read back from the
-backend. Gemma's recipe (fit, greedy and seeded generate of prompts of
-mixed lengths, an indivisible batch, LoRA, presets) is in the workflow
-matrix (test_workflows.py), in every cell; here, the other architectures'
-rules, and the docs' recipe."""
+greedy `generate()` equal to one device, then (Llama) the same quantized
+to int8, the layouts read back from the backend. Gemma's recipe (fit,
+greedy and seeded generate of prompts of mixed lengths, an indivisible
+batch, LoRA, presets, int8) is in the workflow matrix (test_workflows.py),
+in every cell; here, the other architectures' rules, and the docs'
+recipe."""
 
 import keras
 import numpy as np
@@ -136,6 +137,34 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
     np.testing.assert_array_equal(np.where(mask, greedy, 0),
                                   prompts()["token_ids"])
     assert (greedy[~mask] != 0).any()  # it generated
+    if arch in QUANTIZED:
+        assert_int8_generate_equals_one_device(distribution, lm, reference)
+
+
+# Architectures whose recipe also runs quantized (Gemma's: the matrix's
+# hub-int8-generate row).
+QUANTIZED = ("llama",)
+
+
+def assert_int8_generate_equals_one_device(distribution, lm, reference):
+    """The trained model quantized to int8 on the mesh (as on one device):
+    greedy ids identical, each int8 kernel where the recipe's rule puts it,
+    each scale split as its kernel's split dimension."""
+    reference.quantize("int8")
+    with distribution.scope():
+        lm.quantize("int8")
+        ids = generate(lm, "greedy")
+    np.testing.assert_array_equal(ids, generate(reference, "greedy"))
+    kernels = [v for v in lm.weights if str(v.dtype) == "int8"]
+    assert len(kernels) >= 7
+    for v in kernels:
+        assert tuple(klm.fetch_layout(v).axes) == tuple(
+            distribution.get_variable_layout(v).axes), v.path
+    # the query kernel (hidden, heads, head_dim) is split (model, batch,
+    # None): its (1, 1, heads, head_dim) scale follows the heads
+    scale = next(v for v in lm.weights
+                 if v.path.endswith("query/kernel_scale"))
+    assert tuple(klm.fetch_layout(scale).axes) == (None, None, "batch", None)
 
 
 def test_docs_recipe_runs(no_distribution):

@@ -543,45 +543,26 @@ def quantized_float8_fit(distributed, folder):
     return got
 
 
-LLAMA = dict(vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
-             num_key_value_heads=4, hidden_dim=16, intermediate_dim=32)
-
-
-QUERY_SCALES = {
-    "Gemma": ("decoder_block_0/attention/query/kernel_scale",
-              (None, None, "model", None)),
-    "Llama": ("transformer_layer_0/self_attention/query/kernel_scale",
-              (None, None, "batch", None))}
-
-
 @row("hub-int8-generate")
 def hub_int8_generate(distributed, folder):
-    hub = keras_hub()
-    out = {}
-    for arch, config in (("Gemma", GEMMA), ("Llama", LLAMA)):
-        backbone_cls = getattr(hub.models, f"{arch}Backbone")
-        distribution = keras.distribution.ModelParallel(
-            layout_map=backbone_cls.get_layout_map(
-                keras_mesh((DEVICES // 2, 2), ("batch", "model"))),
-            batch_dim_name="batch")
-        with (distribution.scope() if distributed else _nothing()):
-            keras.utils.set_random_seed(0)
-            lm = getattr(hub.models, f"{arch}CausalLM")(
-                backbone=backbone_cls(**config), preprocessor=None)
-            lm.quantize("int8")
-            out[arch] = generated(lm, mixed_prompts(8))["ids"]
-        if not distributed:
-            continue
+    distribution = recipe()
+    with (distribution.scope() if distributed else _nothing()):
+        lm = causal_lm()
+        lm.quantize("int8")
+        out = generated(lm, mixed_prompts(8))
+    if distributed:
         held = {v.path: held_specs(v) for v in lm.weights}
-        for v in lm.weights:  # each kernel where the recipe's rule puts it
+        for v in lm.weights:  # each int8 kernel where the recipe's rule puts it
             if str(v.dtype) == "int8":
                 planned = distribution.get_variable_layout(v).axes
                 assert held[v.path] == tuple(planned), v.path
         # A scale follows its kernel's split dimension: the query kernel's
-        # heads (Gemma's dimension 0 over "model", Llama's 1 over "batch")
-        # are dimension 2 of its (1, 1, heads, head_dim) scale.
-        scale, axes = QUERY_SCALES[arch]
-        assert held[scale] == axes, scale
+        # heads (dimension 0, over "model") are dimension 2 of its
+        # (1, 1, heads, head_dim) scale.
+        block = "decoder_block_0/"
+        assert held[block + "attention/query/kernel_scale"] == (
+            None, None, "model", None)
+        assert held[block + "ffw_gating/kernel_scale"] == (None, None, "model")
         assert held["token_embedding/embeddings_scale"] == ("model",)
     return out
 

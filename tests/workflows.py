@@ -128,11 +128,11 @@ WORKFLOWS = (
              "to bfloat16 rounding: Keras' float8 Dense rounds their "
              "gradient)."),
     Workflow("hub-int8-generate",
-             "keras-hub's recipe (`get_layout_map` under Keras' "
-             "`ModelParallel`) for tiny `GemmaCausalLM` and `LlamaCausalLM`, "
+             "keras-hub's recipe, a tiny `GemmaCausalLM` quantized with "
              "`quantize(\"int8\")` inside the scope, greedy `generate()` of "
              "prompts of mixed lengths: ids identical, every int8 kernel "
-             "where the recipe's rule puts it, scales following it."),
+             "where the recipe's rule puts it, the scales following it "
+             "(Llama's recipe: tests/test_keras_hub_tasks.py)."),
     Workflow("hub-preset",
              "The recipe, `save_to_preset` then `from_preset` of that folder "
              "under the distribution: weights exact, laid out as the rules "
