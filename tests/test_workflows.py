@@ -377,7 +377,9 @@ def hub_preset(distributed, folder):
 # -- quantized models ------------------------------------------------------------
 
 QUANTIZED_MODES = ("int8", "int4", "float8")
-SITUATIONS = ("distribution set", "inside a scope", "placed model")
+# Where `quantize` meets the plan. Quantized inside a klm scope: the
+# quantized-lora-fit (int8, int4) and quantized-float8-fit rows.
+SITUATIONS = ("distribution set", "placed model")
 
 
 def quantized_mlp():
@@ -423,13 +425,9 @@ def quantized_on_the_mesh(mode, situation):
         model = quantized_mlp()
         model.quantize(mode)
         return model
-    layout_map = quantized_klm_rules()
-    with layout_map.scope():
+    with quantized_klm_rules().scope():
         model = quantized_mlp()
-        if situation == "inside a scope":
-            model.quantize(mode)
-    if situation == "placed model":
-        model.quantize(mode)  # outside the scope: placed at the next call
+    model.quantize(mode)  # outside the scope: placed at the next call
     return model
 
 

@@ -112,18 +112,19 @@ WORKFLOWS = (
     Workflow("quantized-predict",
              "`model.quantize(mode)` for int8, int4 and float8 of a Functional "
              "MLP: with Keras' `ModelParallel` set (its rule `d1/kernel` also "
-             "matches `d1/kernel_scale`), inside a klm `LayoutMap.scope()`, "
-             "and on a model placed before `quantize`; `predict` equal, every "
+             "matches `d1/kernel_scale`), and on a model a klm "
+             "`LayoutMap.scope()` placed before `quantize`; `predict` equal, every "
              "quantized kernel where its rule puts it and each added variable "
              "(scales, zero points, int4's `g_idx`, float8's amax histories) "
              "following the kernel's split, read from the backend."),
     Workflow("quantized-lora-fit",
-             "int8 and int4, then `enable_lora(2)`, then `fit` under klm "
-             "rules: losses, LoRA weights and predictions equal; the "
-             "quantized kernels bit-identical to one device's, before and "
-             "after training."),
+             "int8 and int4 quantized inside a klm `LayoutMap.scope()`, then "
+             "`enable_lora(2)`, then `fit`: losses, LoRA weights and "
+             "predictions equal; the quantized kernels bit-identical to one "
+             "device's, before and after training."),
     Workflow("quantized-float8-fit",
-             "`quantize(\"float8\")`, then `fit` with Adam under klm rules: "
+             "`quantize(\"float8\")` inside a klm scope, then `fit` with "
+             "Adam: "
              "losses, kernels, scales and every amax history equal (biases "
              "to bfloat16 rounding: Keras' float8 Dense rounds their "
              "gradient)."),
