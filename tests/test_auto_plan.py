@@ -477,6 +477,16 @@ def llama_lm():
     return keras.Model(inputs, logits, name="llama_lm")
 
 
+def test_a_builder_of_a_model_around_a_backbone():
+    """A Functional model that calls a keras-hub backbone, planned from its
+    builder with nothing allocated (on TensorFlow the backbone's eager call
+    on shapes-only variables raised an AttributeError)."""
+    mesh = fake_mesh([("batch", 4), ("model", 2)])
+    report = klm.auto_layout_map(llama_lm, mesh).explain(shapes_only(llama_lm))
+    assert_every_layout_fits(report)
+    assert sum(not r.layout.is_fully_replicated() for r in report.rows) >= 8
+
+
 def compile_lm(model):
     return compile_classifier(model, keras.optimizers.Adam(1e-2),
                               accuracy=False)

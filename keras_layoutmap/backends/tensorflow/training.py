@@ -32,9 +32,15 @@ def _check_inputs_on_mesh(model, inputs):
     """Refuse, before DTensor does, a plain tensor passed eagerly to a model
     whose variables live on a mesh: say what to do instead."""
     variables = model.variables
-    if not variables or not is_dtensor(variables[0]._value):
+    # A variable of shapes only (made in a `keras.StatelessScope`, as
+    # `klm explain` and `klm.auto_layout_map` build) holds no value.
+    value = getattr(variables[0], "_value", None) if variables else None
+    if value is None or not is_dtensor(value):
         return
-    mesh = dtensor.fetch_layout(variables[0]._value).mesh
+    layout = dtensor.fetch_layout(value)
+    if layout is None:
+        return
+    mesh = layout.mesh
     for index, x in enumerate(tree.flatten(inputs)):
         if not isinstance(x, (np.ndarray, tf.Tensor)) or len(x.shape) == 0:
             continue
