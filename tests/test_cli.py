@@ -143,7 +143,9 @@ def test_weights_are_not_allocated(workdir):
     assert tuple(embed.shape) == (1 << 20, 1024)
     assert embed._value is None  # deferred: no memory behind it
     # and the same in a fresh process, measured: 4 GiB of weights, well
-    # under 1 GiB of memory.
+    # under 1.5 GiB of memory (TensorFlow's runtime alone takes 0.7 to 1.05
+    # GiB here, seen over 1 GiB in a fresh clone's nox; allocated, the
+    # weights would add 4).
     code = textwrap.dedent('''
         import resource, sys
         from keras_layoutmap import cli
@@ -160,7 +162,7 @@ def test_weights_are_not_allocated(workdir):
     assert result.returncode == 0, result.stderr
     out, maxrss = result.stdout.rsplit("MAXRSS_KB", 1)
     assert json.loads(out)["bytes_per_device"] == (1 << 30)
-    assert int(maxrss) < 1 << 20  # KiB: under 1 GiB
+    assert int(maxrss) < 3 << 19  # KiB: under 1.5 GiB
 
 
 # --- bad input ---------------------------------------------------------------

@@ -16,8 +16,14 @@ result: nothing rounds. Off the mesh Keras' own path runs.
 import functools
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
+from keras_layoutmap.backends.tensorflow.placement import (
+    is_dtensor,
+    mesh_distribution,
+    runs_on_mesh,
+    to_dmesh,
+)
 
 
 def _int8_pair(operands):
@@ -44,6 +50,26 @@ def wrap_matmul(original):
     return matmul
 
 
+def _replicated(x):
+    """`x` whole on every device of the active mesh. DTensor's Einsum rule
+    needs each label split over one mesh axis in both operands; an int8
+    activation and its kernel may split a label over two (Llama's attention
+    output, `bquh,uhm->bqm`: the heads over "model" in the activation, over
+    "batch" in the kernel under its recipe), which the float path never
+    meets (its activations are laid out from the kernels). Quantized
+    inference keeps its exact int32 sums; the sharding resumes after."""
+    if tf.executing_eagerly():
+        if not is_dtensor(x):
+            return x
+        mesh = dtensor.fetch_layout(x).mesh
+    else:
+        dist = mesh_distribution()
+        if dist is None:
+            return x
+        mesh = to_dmesh(dist.device_mesh)
+    return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
+
+
 def wrap_einsum(original):
     """Keras' TensorFlow `numpy.einsum`: int8 x int8 on a mesh in int32."""
 
@@ -54,6 +80,7 @@ def wrap_einsum(original):
         operands = [tf.convert_to_tensor(x) for x in operands]
         if not (_int8_pair(operands) and runs_on_mesh(*operands)):
             return original(subscripts, *operands, **kwargs)
-        return tf.einsum(subscripts, *(tf.cast(x, tf.int32) for x in operands))
+        return tf.einsum(subscripts, *(
+            tf.cast(_replicated(x), tf.int32) for x in operands))
 
     return einsum
