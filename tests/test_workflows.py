@@ -569,9 +569,11 @@ def float8_tolerance(key):
     """Keras' float8 Dense passes its bias through bfloat16, so the bias's
     gradient is rounded to 8 bits: a sum over rows taken in another order
     (on a mesh) may round to the neighbouring value, 2**-8 apart, and Adam
-    (lr 1e-2) moves a bias by up to lr x that a step. Everything else,
-    amax histories and scales included, to float32 rounding."""
-    return (1e-2, 2e-4) if key.endswith("/bias") else (1e-5, 1e-6)
+    (lr 1e-2) moves a bias by up to lr x that a step, and the predictions
+    with it (6e-5 apart, seen on torch with 4 processes). Everything else,
+    losses, kernels, amax histories and scales, to float32 rounding."""
+    loose = key.endswith("/bias") or key == "predict"
+    return (1e-2, 2e-4) if loose else (1e-5, 1e-6)
 
 
 # (rtol, atol), or a function of the key giving them; else (1e-4, 1e-5).
