@@ -132,6 +132,16 @@ def compile_classifier(model, optimizer=None, loss=None, accuracy=True, **kwargs
     return model
 
 
+def quantized_mlp():
+    """16 -> 32 -> 16 -> 8, Functional, the model the quantized tests
+    quantize: d1 split by columns, d2 by rows, d3 unplaced."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dense(16, activation="relu", name="d2")(x)
+    return keras.Model(inputs, keras.layers.Dense(8, name="d3")(x))
+
+
 def sequential_mlp(*units, inputs=64, names=None, name=None, seed=0):
     """A `keras.Sequential` of Dense layers, not compiled: `inputs` features
     in, a layer of each of `units`, relu but the last, named d1, d2, ...

@@ -15,20 +15,10 @@ import sys
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, DEVICES, SPANS_PROCESSES, fake_mesh
+from helpers import BACKEND, DEVICES, SPANS_PROCESSES, fake_mesh, quantized_mlp
 
 import keras_layoutmap as klm
 from keras_layoutmap.rules.resolve import resolve_weight
-
-
-def mlp():
-    """16 -> 32 -> 16 -> 8, as the matrix's quantized rows build it."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    x = keras.layers.Dense(16, activation="relu", name="d2")(x)
-    return keras.Model(inputs, keras.layers.Dense(8, name="d3")(x))
-
 
 # -- keras-hub ----------------------------------------------------------------
 
@@ -180,7 +170,7 @@ def test_explain_lists_added_variables_with_the_kernel_they_follow():
     layout_map = klm.LayoutMap(mesh_, strict=True)
     layout_map["d1.kernel"] = (None, "model")
     layout_map["d2.kernel"] = ("model", None)
-    model = mlp()
+    model = quantized_mlp()
     model.quantize("int8")
     report = layout_map.explain(model)
     rows = {r.path: r for r in report.rows}

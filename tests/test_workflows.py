@@ -14,7 +14,14 @@ import keras
 import numpy as np
 import pytest
 import workflows
-from helpers import BACKEND, DEVICES, PROCESSES, assert_held_as_rules_say, digits_data
+from helpers import (
+    BACKEND,
+    DEVICES,
+    PROCESSES,
+    assert_held_as_rules_say,
+    digits_data,
+    quantized_mlp,
+)
 
 import keras_layoutmap as klm
 
@@ -380,15 +387,6 @@ QUANTIZED_MODES = ("int8", "int4", "float8")
 # Where `quantize` meets the plan. Quantized inside a klm scope: the
 # quantized-lora-fit (int8, int4) and quantized-float8-fit rows.
 SITUATIONS = ("distribution set", "placed model")
-
-
-def quantized_mlp():
-    """16 -> 32 -> 16 -> 8: d1 split by columns, d2 by rows, d3 unplaced."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
-    x = keras.layers.Dense(16, activation="relu", name="d2")(x)
-    return keras.Model(inputs, keras.layers.Dense(8, name="d3")(x))
 
 
 def regression_data():
