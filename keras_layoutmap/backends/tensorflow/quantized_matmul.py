@@ -10,7 +10,10 @@ On a mesh the operands are widened to int32 first and multiplied by
 `MatMul` (`tf.matmul`, `tf.tensordot`) or `Einsum`, ops DTensor lays out.
 The products and their sums are integers well inside int32 (|127 x 127| x
 the contracted size), so the result is exactly Keras' one-device int32
-result: nothing rounds. Off the mesh Keras' own path runs.
+result: nothing rounds. An int8 einsum's operands are first made whole on
+every device (`_replicated`: DTensor's Einsum rule refuses a label split
+over two mesh axes, which int8 activations and kernels can meet). Off the
+mesh Keras' own path runs.
 """
 
 import functools
