@@ -5,10 +5,8 @@ keras-hub's recipes and at Llama-70B scale, `device_memory`, bad inputs and
 `klm explain --auto`. On devices: models placed by the plan train as on
 one device."""
 
-import json
 import math
 import re
-import sys
 import time
 
 import keras
@@ -25,7 +23,7 @@ from helpers import (
 )
 
 import keras_layoutmap as klm
-from keras_layoutmap import auto_plan, cli
+from keras_layoutmap import auto_plan
 from keras_layoutmap.layout import fit_problem
 from keras_layoutmap.rules import auto
 
@@ -344,91 +342,6 @@ def test_bad_inputs():
         klm.auto_layout_map(mlp, mesh, device_memory="lots")
 
 
-# -- klm explain --auto -------------------------------------------------------
-
-BUILDERS = '''
-import keras
-
-
-def mlp():
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(128, name="d1")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(8, name="d2")(x), name="mlp")
-
-
-class Refused(keras.Model):
-    """A model whose own recipe splits 6 outputs over a model axis of 4."""
-
-    def __init__(self):
-        inputs = keras.Input((64,))
-        super().__init__(inputs, keras.layers.Dense(6, name="d1")(inputs))
-
-    @classmethod
-    def get_layout_map(cls, device_mesh):
-        layout_map = keras.distribution.LayoutMap(device_mesh)
-        layout_map["d1/kernel"] = (None, "model")
-        return layout_map
-
-
-def refused():
-    return Refused()
-
-
-def broken():
-    raise KeyError("num_heads")
-'''
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    (tmp_path / "klm_auto_builders.py").write_text(BUILDERS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("klm_auto_builders", None)
-    return tmp_path
-
-
-def run(capsys, *argv):
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_auto(workdir, capsys):
-    code, out, err = run(capsys, "explain", "klm_auto_builders:mlp", "--mesh",
-                         "batch=4,model=2", "--auto", "--json",
-                         "--write-rules", "plan.yaml")
-    assert code == 0, err
-    doc = json.loads(out)
-    assert doc["rules_source"] == "klm.auto_layout_map"
-    d1 = next(w for w in doc["weights"] if w["object_path"] == "d1.kernel")
-    assert d1["layout"] == ["batch", "model"]
-    assert d1["reason"].startswith("column-parallel: feeds d2")
-    # The rules written, edited and passed back.
-    code, out, err = run(capsys, "explain", "klm_auto_builders:mlp", "--mesh",
-                         "batch=4,model=2", "--rules", "plan.yaml",
-                         "--width", "250")
-    assert code == 0, err
-    assert "column-parallel: feeds d2" in out
-
-
-def test_cli_errors_are_one_line(workdir, capsys):
-    code, out, err = run(capsys, "explain", "klm_auto_builders:refused",
-                         "--mesh", "batch=2,model=4")
-    assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1
-    assert "cannot place" in err and "4 does not divide 6" in err
-    code, _, err = run(capsys, "explain", "klm_auto_builders:mlp", "--mesh",
-                       "batch=4,model=2", "--auto", "--device-memory", "1KiB")
-    assert code == 1 and len(err.splitlines()) == 1 and "at least" in err
-    code, _, err = run(capsys, "explain", "klm_auto_builders:broken", "--mesh",
-                       "batch=4,model=2", "--auto")
-    assert code == 2 and len(err.splitlines()) == 1
-    assert "KeyError: 'num_heads'" in err
-    code, _, err = run(capsys, "explain", "klm_auto_builders:mlp", "--mesh",
-                       "data=4,model=2", "--auto")
-    assert code == 2 and "data_axis='batch' is not an axis" in err
-
-
 # -- on devices: equal to one device -------------------------------------------
 
 
@@ -443,22 +356,33 @@ def assert_held_as_planned(model, plan):
     assert split >= 3
 
 
-@pytest.mark.sharding
-@pytest.mark.training
-def test_mlp_parity():
-    x, y = digits_data(80)  # two steps of 40: one shape, one compilation
-    reference = compile_classifier(mlp(), accuracy=False)
-    ref = reference.fit(x, y, batch_size=40, epochs=1, shuffle=False,
+def assert_trains_as_one_device(build, plan_of, x, y, batch_size):
+    """`build()` trained one epoch on one device, then placed by the plan
+    `plan_of(reference)` makes and trained again: the same losses and
+    weights, every weight held as the plan says. Returns the plan and the
+    reference model."""
+    reference = build()
+    ref = reference.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
                         verbose=0).history
-    plan = klm.auto_layout_map(mlp, mp_mesh())
+    plan = plan_of(reference)
     with plan.scope():
-        model = compile_classifier(mlp(), accuracy=False)
-    history = model.fit(x, y, batch_size=40, epochs=1, shuffle=False,
+        model = build()
+    history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
                         verbose=0).history
     assert_same_history(history, ref, rtol=1e-4)
     assert_same_weights(model.get_weights(), reference.get_weights(),
                         rtol=1e-4, atol=1e-5)
     assert_held_as_planned(model, plan)
+    return plan, reference
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+def test_mlp_parity():
+    x, y = digits_data(80)  # two steps of 40: one shape, one compilation
+    assert_trains_as_one_device(
+        lambda: compile_classifier(mlp(), accuracy=False),
+        lambda _: klm.auto_layout_map(mlp, mp_mesh()), x, y, batch_size=40)
 
 
 def llama_lm():
@@ -498,23 +422,14 @@ def test_keras_hub_llama_parity():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 64, size=(16, 9)).astype("int32")  # 2 steps
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), "int32")}
-    y = tokens[:, 1:]
-    reference = compile_lm(llama_lm())
-    ref = reference.fit(x, y, batch_size=8, epochs=1, shuffle=False,
-                        verbose=0).history
+    plan, reference = assert_trains_as_one_device(
+        lambda: compile_lm(llama_lm()),
+        lambda model: klm.auto_layout_map(model, mp_mesh(width=4)),
+        x, tokens[:, 1:], batch_size=8)
     # A model axis of 4 and 2 key/value heads: their input features split.
-    plan = klm.auto_layout_map(reference, mp_mesh(width=4))
     (key,) = [r for r in plan.explain(reference).rows
               if r.path == "transformer_layer_0/self_attention/key/kernel"]
     assert "split inputs instead" in plan.reason(key.rule)
-    with plan.scope():
-        model = compile_lm(llama_lm())
-    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
-                        verbose=0).history
-    assert_same_history(history, ref, rtol=1e-4)
-    assert_same_weights(model.get_weights(), reference.get_weights(),
-                        rtol=1e-4, atol=1e-5)
-    assert_held_as_planned(model, plan)
 
 
 @pytest.mark.parametrize("name", ["auto_plan", "rules.auto"])

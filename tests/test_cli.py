@@ -51,6 +51,28 @@ def huge():
 
 def not_a_model():
     return 3
+
+
+class Refused(keras.Model):
+    """A model whose own recipe splits 6 outputs over a model axis of 4."""
+
+    def __init__(self):
+        inputs = keras.Input((64,))
+        super().__init__(inputs, keras.layers.Dense(6, name="d1")(inputs))
+
+    @classmethod
+    def get_layout_map(cls, device_mesh):
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        layout_map["d1/kernel"] = (None, "model")
+        return layout_map
+
+
+def refused():
+    return Refused()
+
+
+def broken():
+    raise KeyError("num_heads")
 '''
 
 RULES = {"rules": [[r"d1\.kernel", [None, "model"]],
@@ -280,3 +302,40 @@ def test_help_imports_no_keras_through_python_m(tmp_path):
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "explain" in result.stdout
+
+
+# --- --auto: klm.auto_layout_map from the command line ---------------------
+
+def test_cli_auto(workdir, capsys):
+    code, out, err = run(capsys, "explain", "klm_builders:mlp", "--mesh",
+                         "batch=4,model=2", "--auto", "--json",
+                         "--write-rules", "plan.yaml")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["rules_source"] == "klm.auto_layout_map"
+    d1 = next(w for w in doc["weights"] if w["object_path"] == "d1.kernel")
+    assert d1["layout"] == ["batch", "model"]
+    assert d1["reason"].startswith("column-parallel: feeds d2")
+    # The rules written, edited and passed back.
+    code, out, err = run(capsys, "explain", "klm_builders:mlp", "--mesh",
+                         "batch=4,model=2", "--rules", "plan.yaml",
+                         "--width", "250")
+    assert code == 0, err
+    assert "column-parallel: feeds d2" in out
+
+
+def test_cli_errors_are_one_line(workdir, capsys):
+    code, out, err = run(capsys, "explain", "klm_builders:refused",
+                         "--mesh", "batch=2,model=4")
+    assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert "cannot place" in err and "4 does not divide 6" in err
+    code, _, err = run(capsys, "explain", "klm_builders:mlp", "--mesh",
+                       "batch=4,model=2", "--auto", "--device-memory", "1KiB")
+    assert code == 1 and len(err.splitlines()) == 1 and "at least" in err
+    code, _, err = run(capsys, "explain", "klm_builders:broken", "--mesh",
+                       "batch=4,model=2", "--auto")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "KeyError: 'num_heads'" in err
+    code, _, err = run(capsys, "explain", "klm_builders:mlp", "--mesh",
+                       "data=4,model=2", "--auto")
+    assert code == 2 and "data_axis='batch' is not an axis" in err
