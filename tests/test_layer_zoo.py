@@ -36,7 +36,7 @@ def digits():
     return digits_data(ROWS)
 
 
-def conv(x):
+def conv():
     """8x8 images: two convolutions, pooling, a dense head."""
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inputs)
@@ -44,30 +44,30 @@ def conv(x):
     h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2")(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
     rules = {r"c\d\.kernel": (None, None, None, "model"), r"c\d\.bias": ("model",)}
-    return inputs, h, rules, x.reshape(-1, 8, 8, 1)
+    return inputs, h, rules
 
 
-def lstm(x, unroll=TF):
+def lstm(unroll=TF):
     """Each image as a sequence of 8 rows of 8 pixels (unrolled on
     TensorFlow, whose DTensor cannot run the loop: see below)."""
     inputs = keras.Input((8, 8))
     h = keras.layers.LSTM(16, unroll=unroll, name="lstm")(inputs)
     rules = {r"lstm\.cell\.(kernel|recurrent_kernel)": (None, "model"),
              r"lstm\.cell\.bias": ("model",)}
-    return inputs, h, rules, x.reshape(-1, 8, 8)
+    return inputs, h, rules
 
 
-def gru(x):
+def gru():
     """A bidirectional GRU over the rows, its states pooled."""
     inputs = keras.Input((8, 8))
     h = keras.layers.Bidirectional(
         keras.layers.GRU(8, return_sequences=True), name="bi")(inputs)
     h = keras.layers.GlobalAveragePooling1D()(h)
     rules = {r"bi\..*\.kernel": (None, "model")}
-    return inputs, h, rules, x.reshape(-1, 8, 8)
+    return inputs, h, rules
 
 
-def tokens(x):
+def tokens():
     """The 64 pixel values (0-16) as tokens: an embedding, a 1-D
     convolution, layer normalization, average pooling. (Not max pooling:
     identical windows of tokens tie, TensorFlow splits a tied maximum's
@@ -81,10 +81,10 @@ def tokens(x):
     h = keras.layers.GlobalAveragePooling1D()(h)
     rules = {r"embed\.embeddings": (None, "model"),
              r"c1\.kernel": (None, None, "model"), r"c1\.bias": ("model",)}
-    return inputs, h, rules, np.rint(x * 16).astype("int32")
+    return inputs, h, rules
 
 
-def attention(x):
+def attention():
     """Self-attention over the 8 rows of each image, heads split."""
     inputs = keras.Input((8, 8))
     # No biases: the key's has a gradient of exactly 0 (it adds the same
@@ -97,14 +97,14 @@ def attention(x):
     # maps name them; the object paths are `mha._query_dense.kernel`.
     rules = {"mha/(query|key|value)/kernel": (None, "model", None),
              "mha/attention_output/kernel": ("model", None, None)}
-    return inputs, h, rules, x.reshape(-1, 8, 8)
+    return inputs, h, rules
 
 
 MODELS = {f.__name__: f for f in (conv, lstm, gru, tokens, attention)}
 
 
 def data_for(kind, x):
-    """The digits as `kind`'s model reads them (what `MODELS[kind]` gives)."""
+    """The digits as `kind`'s model reads them."""
     if kind == "conv":
         return x.reshape(-1, 8, 8, 1)
     if kind == "tokens":
@@ -114,7 +114,8 @@ def data_for(kind, x):
 
 def build(kind, x, optimizer=None, **kwargs):
     keras.utils.set_random_seed(0)
-    inputs, hidden, rules, data = MODELS[kind](x, **kwargs)
+    inputs, hidden, rules = MODELS[kind](**kwargs)
+    data = data_for(kind, x)
     outputs = keras.layers.Dense(10, name="head")(hidden)
     model = keras.Model(inputs, outputs)
     model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01),
