@@ -43,6 +43,17 @@ else:
     # 4 as a torch run has.
     DEVICES = int(os.environ.get("KLM_TEST_DEVICES", "8"))
 
+# The plans that a test of one fit feature (optimizer options, loss
+# reductions, sample weights, mixed precision, the layer zoo) trains in.
+# On JAX and TensorFlow a `DataParallel` fit and a model-parallel one on a
+# (batch, model) mesh run one and the same SPMD step, the second splitting
+# the batch as well as some kernels, with the other weights replicated as
+# data parallel holds them all: the model-parallel plan covers both. On
+# torch, data parallel runs a step of its own (backends/torch/local_step.py),
+# so both plans run there.
+FIT_PLANS = (("data_parallel", "model_parallel") if BACKEND == "torch"
+             else ("model_parallel",))
+
 # The processes running this session together (the launcher's WORLD_SIZE):
 # 4 in tests-torch's mesh run, 2 in the JAX and TensorFlow workflow-matrix
 # runs, else 1. True where a mesh spans them.

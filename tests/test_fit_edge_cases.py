@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import (
+    FIT_PLANS,
     TESTS,
     assert_same_history,
     assert_same_weights,
@@ -233,7 +234,7 @@ def _varying_batches(x, y):
             start += size
 
 
-@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("kind", FIT_PLANS)
 def test_generator_with_varying_batch_sizes(kind, digits):
     x, y = digits
 
@@ -261,7 +262,7 @@ def _weights(y, weighting):
 
 
 @pytest.mark.parametrize("weighting", ["sample_weight", "class_weight"])
-@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("kind", FIT_PLANS)
 def test_sample_and_class_weights(kind, weighting, digits):
     """Weighted loss and weighted metrics; the last batch (14 rows) is padded
     to fill the batch shards, and its padding must weigh nothing."""
@@ -313,7 +314,7 @@ LOSSES = {
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("kind", FIT_PLANS)
 def test_loss_reductions_and_a_loss_across_rows(kind, loss, weighted, digits):
     """A summed loss, a mean over the sample weights and a loss that looks
     across the batch (its batch mean summed over the devices), with and
@@ -348,7 +349,7 @@ def mixed_policy(request):
 
 @pytest.mark.parametrize("mixed_policy", ["mixed_float16", "mixed_bfloat16"],
                          indirect=True)
-@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("kind", FIT_PLANS)
 def test_mixed_precision(kind, mixed_policy, digits):
     x, y = digits
 

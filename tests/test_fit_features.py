@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import (
+    FIT_PLANS,
     assert_same_history,
     assert_same_weights,
     compile_classifier,
@@ -92,7 +93,7 @@ def one_device(option, x, y):
     return _ONE_DEVICE[option]
 
 
-@pytest.mark.parametrize("distribution", ["data_parallel", "model_parallel"])
+@pytest.mark.parametrize("distribution", FIT_PLANS)
 @pytest.mark.parametrize("option", sorted(OPTIMIZER_OPTIONS))
 def test_optimizer_options_match_single_device(digits, option, distribution):
     x, y = digits

@@ -1,13 +1,21 @@
 """Common Keras layers beyond Dense train on a mesh as on one device:
 convolutions and pooling, recurrent layers, embeddings, normalization and
-attention, through `fit`, data parallel and model parallel (each model's
-natural split of its kernels over `model`), on handwritten digits with a
-short last batch."""
+attention, through `fit`, model parallel (each model's natural split of its
+kernels over `model`, on a mesh that splits the batch too) and, where that
+is a step of its own (torch) or is refused (some layers on TensorFlow), data
+parallel, on handwritten digits with a short last batch."""
 
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES, assert_same_history, digits_data, dp_mesh, mp_mesh
+from helpers import (
+    DEVICES,
+    FIT_PLANS,
+    assert_same_history,
+    digits_data,
+    dp_mesh,
+    mp_mesh,
+)
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -161,8 +169,18 @@ def one_device(kind, x, y):
     return _ONE_DEVICE[kind]
 
 
-@pytest.mark.parametrize("distribution", ["data_parallel", "model_parallel"])
-@pytest.mark.parametrize("kind", sorted(MODELS))
+def plans(kind):
+    """The plans `kind` trains in: `FIT_PLANS` (model parallel; data
+    parallel too on torch), and data parallel also where TensorFlow refuses
+    the model-parallel plan, so that each layer trains on a mesh there."""
+    refused = TF and ((kind, "model_parallel") in TF_REFUSES
+                      and (kind, None) not in TF_REFUSES)
+    return FIT_PLANS + ("data_parallel",) * (
+        refused and "data_parallel" not in FIT_PLANS)
+
+
+@pytest.mark.parametrize("kind, distribution", [
+    (kind, plan) for kind in sorted(MODELS) for plan in plans(kind)])
 def test_fit_matches_one_device(digits, kind, distribution):
     x, y = digits
     model = on_mesh(kind, distribution, x)
@@ -185,7 +203,7 @@ def assert_same(model, ref_weights, history, ref_history):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=weight.path)
 
 
-@pytest.mark.parametrize("distribution", ["data_parallel", "model_parallel"])
+@pytest.mark.parametrize("distribution", FIT_PLANS)
 def test_embedding_with_sparse_updates(digits, distribution):
     """SGD adds an embedding's gradient row by row (on TensorFlow a
     `tf.IndexedSlices`, added by `scatter_sub`, which DTensor has no rule
