@@ -43,16 +43,17 @@ else:
     # 4 as a torch run has.
     DEVICES = int(os.environ.get("KLM_TEST_DEVICES", "8"))
 
-# The plans that a test of one fit feature (optimizer options, loss
-# reductions, sample weights, mixed precision, the layer zoo) trains in.
-# On JAX and TensorFlow a `DataParallel` fit and a model-parallel one on a
-# (batch, model) mesh run one and the same SPMD step, the second splitting
-# the batch as well as some kernels, with the other weights replicated as
-# data parallel holds them all: the model-parallel plan covers both. On
-# torch, data parallel runs a step of its own (backends/torch/local_step.py),
-# so both plans run there.
-FIT_PLANS = (("data_parallel", "model_parallel") if BACKEND == "torch"
-             else ("model_parallel",))
+# The plan that a test of one fit feature (optimizer options, loss
+# reductions, sample weights, mixed precision, the layer zoo) trains in:
+# model parallel on a (batch, model) mesh, which splits the batch as well
+# as some kernels and holds the other weights replicated, as data parallel
+# holds them all. On JAX and TensorFlow a `DataParallel` fit runs the same
+# SPMD step. torch's data-parallel step is its own (backends/torch/
+# local_step.py): tests/test_torch_local_step.py checks it against one
+# device on these features (sample weights, optimizers, loss scaling,
+# reductions that are not row means, several outputs), and the workflow
+# matrix's data-parallel rows on every backend.
+FIT_PLANS = ("model_parallel",)
 
 # The processes running this session together (the launcher's WORLD_SIZE):
 # 4 in tests-torch's mesh run, 2 in the JAX and TensorFlow workflow-matrix
