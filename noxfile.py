@@ -117,11 +117,35 @@ def _install(session, backend, keras_next=False):
         session.install(*KERAS_HUB)
 
 
-def _pytest(session, backend, *args):
-    session.run(
-        "pytest", *WORKERS, *args,
-        env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
+# Compiling is most of a test's time on a CPU. The test runs compile as
+# fast as they can where that changes no result's meaning (FAST):
+# - JAX: XLA's CPU backend at LLVM's lowest optimization level, about half
+#   the time of the default level on this suite (2026-11-26, 2 cores). No
+#   XLA pass changes (the sharding and the collectives are the same), only
+#   how CPU code is generated: every comparison is one program against
+#   another compiled alike. The tests that compare bits with Keras' own
+#   draws compiled at the default level, as users run them (EXACT_COMPILE:
+#   weights born sharded, whose threefry and erf_inv code the level
+#   changes), run at the default level.
+# - TensorFlow, the one-process run: grappler, TensorFlow's graph
+#   optimizer, off in pytest's own processes (tests/conftest.py), about 1.6
+#   times faster. It runs after DTensor's SPMD expansion, so DTensor sees
+#   the same ops. The multi-process matrix run, and every process a test
+#   starts (examples, scripts, jobs), keep it on, as users do.
+FAST = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
+        "tensorflow": {"KLM_TEST_FAST_GRAPHS": "1"}}
+EXACT_COMPILE = "tests/test_born_sharded.py"
+
+
+def _env(backend, fast=False, **more):
+    env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", **more}
+    if fast:
+        env.update(FAST.get(backend, {}))
+    return env
+
+
+def _pytest(session, backend, *args, fast=True):
+    session.run("pytest", *WORKERS, *args, env=_env(backend, fast))
 
 
 def _launched(session, backend, processes, *args):
@@ -131,9 +155,24 @@ def _launched(session, backend, processes, *args):
         "python", "-m", "keras_layoutmap.launch", "-n", str(processes),
         "--log-dir", session.create_tmp(), "-m", "pytest", "-x", "-p",
         "no:cacheprovider", f"--timeout={LAUNCHED_TEST_TIMEOUT}", *args,
-        env={"KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1",
-             "TF_CPP_MIN_LOG_LEVEL": "3"},
+        env=_env(backend, fast=backend == "jax", OMP_NUM_THREADS="1"),
     )
+
+
+def _pytest_jax(session, tests):
+    """`tests` (every test when they name none) on JAX in one process:
+    those of EXACT_COMPILE at XLA's default level, the rest at
+    FAST's."""
+    options = [t for t in tests if t.startswith("-")]
+    paths = [t for t in tests if not t.startswith("-")]
+    exact = [t for t in paths if t.startswith(EXACT_COMPILE)]
+    rest = [t for t in paths if not t.startswith(EXACT_COMPILE)]
+    if not paths:
+        exact, rest = [EXACT_COMPILE], [f"--ignore={EXACT_COMPILE}"]
+    if rest:
+        _pytest(session, "jax", *options, *rest)
+    if exact:
+        _pytest(session, "jax", *options, *exact, fast=False)
 
 
 def _run_tests(session, backend, tests=()):
@@ -145,7 +184,10 @@ def _run_tests(session, backend, tests=()):
     launcher, 4 processes of one device each."""
     tests = [*tests, *session.posargs]
     if backend != "torch":
-        _pytest(session, backend, *tests)
+        if backend == "jax":
+            _pytest_jax(session, tests)
+        else:
+            _pytest(session, backend, *tests)
         paths = [t for t in tests if not t.startswith("-")]
         if not paths or any(t.startswith(MATRIX) for t in paths):
             _launched(session, backend, MATRIX_PROCESSES, MATRIX)

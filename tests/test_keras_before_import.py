@@ -66,7 +66,8 @@ def test_a_keras_distribution_made_before_the_import(tmp_path, set_before):
         command[1:1] = ["-m", "keras_layoutmap.launch", "-n", "4"]
     env = dict(os.environ, KERAS_BACKEND=backends.name(),
                TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join(
                    p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p))
     if torch:

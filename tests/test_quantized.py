@@ -75,7 +75,8 @@ def run(devices, spec_of):
 
 PLAIN_KERAS = """
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # nox's level
+                           + " --xla_force_host_platform_device_count=8")
 assert "keras_layoutmap" not in sys.modules
 exec(compile(open(sys.argv[1]).read(), "recipe", "exec"))
 spec_of = lambda v: [s if isinstance(s, (str, type(None))) else list(s)
