@@ -381,6 +381,49 @@ def hub_preset(distributed, folder):
     return lm_weights(loaded)
 
 
+# -- automatic plans -------------------------------------------------------------
+
+
+def small_cnn():
+    """A convolution, pooling and a Dense pair on the digits as 8x8 images,
+    compiled: what `klm.auto_layout_map` plans from its builder."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu",
+                            name="conv")(inputs)
+    h = keras.layers.MaxPooling2D(name="pool")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.Dense(32, activation="relu", name="d1")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10, name="d2")(h), name="cnn")
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@row("auto-plan")
+def auto_plan(distributed, folder):
+    x, y = digits_data(DIGITS_ROWS)
+    x = x.reshape(-1, 8, 8, 1)
+    if distributed:
+        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+        plan = klm.auto_layout_map(small_cnn, mesh)  # shapes only
+        with plan.scope():
+            model = small_cnn()
+        planned = {r.path: r.layout for r in plan.explain(model).rows}
+        for variable in model.weights:  # read from the backend
+            assert klm.fetch_layout(variable) == planned[variable.path], \
+                variable.path
+        held = {v.path: held_specs(v) for v in model.weights}
+        assert "model" in held["d1/kernel"] and "model" in held["d2/kernel"]
+    else:
+        model = small_cnn()
+    history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False,
+                        verbose=0).history
+    return {"loss": history["loss"],
+            "predict": model.predict(x[:37], batch_size=16, verbose=0),
+            **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
+
+
 # -- quantized models ------------------------------------------------------------
 
 QUANTIZED_MODES = ("int8", "int4", "float8")
@@ -578,6 +621,7 @@ def float8_tolerance(key):
 TOLERANCE = {"keras-data-parallel": (1e-5, 2e-6),
              "keras-model-parallel": (1e-5, 2e-6),
              "klm-strict-two-models": (1e-5, 2e-6),
+             "auto-plan": (1e-5, 2e-6),
              "callbacks": (1e-5, 2e-6),
              "quantized-predict": (1e-5, 1e-6),
              "quantized-lora-fit": (1e-5, 1e-6),

@@ -118,6 +118,13 @@ WORKFLOWS = (
     Workflow("hub-lora",
              "The recipe, `backbone.enable_lora(2)`, then `fit`: the LoRA "
              "weights equal one device's, the frozen ones bit-identical."),
+    Workflow("auto-plan",
+             "`klm.auto_layout_map(build, mesh)` of a small Functional CNN "
+             "(a convolution, pooling, a Dense pair), planned from its "
+             "builder with nothing allocated, the model built in the plan's "
+             "`scope()`, then `fit` and `predict`: every weight held as the "
+             "plan says, read from the backend (on TensorFlow the plan keeps "
+             "the convolution's kernel whole, which DTensor needs)."),
     Workflow("quantized-predict",
              "`model.quantize(mode)` for int8, int4 and float8 of a Functional "
              "MLP: with Keras' `ModelParallel` set (its rule `d1/kernel` also "
