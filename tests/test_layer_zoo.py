@@ -173,10 +173,8 @@ def plans(kind):
     """The plans `kind` trains in: `FIT_PLANS` (model parallel), and data
     parallel too where TensorFlow refuses the model-parallel plan, so that
     each layer trains on a mesh there."""
-    refused = TF and ((kind, "model_parallel") in TF_REFUSES
-                      and (kind, None) not in TF_REFUSES)
-    return FIT_PLANS + ("data_parallel",) * (
-        refused and "data_parallel" not in FIT_PLANS)
+    refused = TF and (kind, "model_parallel") in TF_REFUSES
+    return FIT_PLANS + (("data_parallel",) if refused else ())
 
 
 @pytest.mark.parametrize("kind, distribution", [
