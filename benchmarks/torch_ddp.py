@@ -85,8 +85,13 @@ Goal: R <= 1.2 at P=2 (and, the older goal, klm / DDP <= 1.2). Where DDP
 adds next to nothing (a core per process, a small model), R's denominator
 is within noise of 0 and R is not meaningful: read the two differences.
 
+With `--repeat N`, the whole run (launch, rounds, checks, report) is made N
+times in one call, each printing its report as above, and a last line
+gives R's median and range over the N runs: `distribution overhead ratio
+over N runs: median M, range A to B (each, sorted)`.
+
 Run: python benchmarks/torch_ddp.py [--processes 2] [--steps 40] [--rounds 4]
-[--hidden 512]
+[--hidden 512] [--repeat N]
 [--metrics accuracy] [--parts 4] [--waits] [--profile 20 [--profile-stats FILE]]
 """
 
@@ -487,6 +492,9 @@ def main():
     parser.add_argument("--profile-stats", metavar="FILE",
                         help="also write the profile there (pstats), to look "
                         "into with `python -m pstats FILE`")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="N whole runs, one after another, each printing "
+                        "its report; then R's median and range (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -497,10 +505,27 @@ def main():
                      f"(received {args.processes})")
     if args.parts == 1:
         parser.error("--parts N drops the first of its N epochs: give 2 or more")
+    if args.repeat < 1:
+        parser.error(f"--repeat needs 1 or more (received {args.repeat})")
     if args.worker:
         worker(args)
         return
 
+    ratios = []
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"--- run {i + 1} of {args.repeat}", flush=True)
+        ratios.append(run_once(args))
+    if args.repeat > 1:
+        listed = ", ".join(f"{r:.2f}" for r in sorted(ratios))
+        print(f"distribution overhead ratio over {args.repeat} runs: median "
+              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f} to "
+              f"{max(ratios):.2f} ({listed})")
+
+
+def run_once(args):
+    """One whole run: start the workers, print what process 0 measured,
+    return R."""
     from rich.console import Console
     from rich.table import Table
 
@@ -633,7 +658,8 @@ def main():
     # what DDP adds over plain torch's (median wall time).
     added_ddp = median["ddp"] - median["torch_alone"]
     overhead = (median["klm"] - median["keras_alone"]) / added_ddp
-    print(f"distribution overhead ratio: {overhead:.2f}")
+    print(f"distribution overhead ratio: {overhead:.2f}", flush=True)
+    return overhead
 
 
 if __name__ == "__main__":
