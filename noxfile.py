@@ -249,7 +249,8 @@ def bench(session):
     session.install(*KERAS_HUB)
     session.install(*KERAS_HUB_DEPS)
     for script in ("overhead.py", "rules.py", "memory.py", "build.py",
-                   "processes.py", "fsdp.py", "zero.py", "generate.py"):
+                   "processes.py", "fsdp.py", "zero.py", "generate.py",
+                   "auto_plan.py"):
         session.run("python", f"benchmarks/{script}", env={"KERAS_BACKEND": "jax"})
     for script in ("memory.py", "tf_data_parallel.py", "processes.py", "fsdp.py",
                    "zero.py", "generate.py"):
