@@ -129,9 +129,11 @@ def _install(session, backend, keras_next=False):
 #   changes), run at the default level.
 # - TensorFlow, the one-process run: grappler, TensorFlow's graph
 #   optimizer, off in pytest's own processes (tests/conftest.py), about 1.6
-#   times faster. It runs after DTensor's SPMD expansion, so DTensor sees
-#   the same ops. The multi-process matrix run, and every process a test
-#   starts (examples, scripts, jobs), keep it on, as users do.
+#   times faster. DTensor's SPMD expansion, where its layout rules and
+#   refusals live, is a pass of its own (the TensorFlow-specific tests and
+#   the layer zoo's refusals give the same results with grappler off). The
+#   multi-process matrix run, and every process a test starts (examples,
+#   scripts, jobs), keep it on, as users do.
 FAST = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
         "tensorflow": {"KLM_TEST_FAST_GRAPHS": "1"}}
 EXACT_COMPILE = "tests/test_born_sharded.py"
