@@ -1,8 +1,9 @@
 """Test sessions, one per Keras backend (the backend is fixed at import).
 
-`nox` runs lint, the docs site build, the three test sessions on the
-supported Keras and the three `tests-keras-next-*` sessions on Keras' next
-release (a subset: `NEXT_TESTS`, the workflow matrix among them). pytest
+`nox` runs lint, the docs site build and the three test sessions, each on
+the supported Keras and then on Keras' next release, swapped into the same
+virtualenv (a subset: `NEXT_TESTS`, the workflow matrix among them;
+`tests-keras-next-*` run those alone). pytest
 runs in as many workers as the machine has cores (pytest-xdist, at most 4).
 `tests-jax` and `tests-tensorflow` run every test with 8 virtual devices
 per worker, then the workflow matrix (tests/test_workflows.py) again under
@@ -22,6 +23,7 @@ require Python >= 3.11, so an older interpreter is refused with what to do:
 there is no 3.10 to test, though 3.10 interpreters exist.
 """
 
+import os
 import sys
 
 import nox
@@ -30,9 +32,7 @@ import nox
 # source), builds in 4 s (13-34 s with a fresh 177 MB venv), and so catches a
 # broken docs link or a public name left out of the API reference every run.
 nox.options.sessions = [
-    "lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch",
-    "tests-keras-next-jax", "tests-keras-next-tensorflow",
-    "tests-keras-next-torch"]
+    "lint", "docs", "tests-jax", "tests-tensorflow", "tests-torch"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = None  # the interpreter running nox
@@ -81,7 +81,7 @@ MATRIX_PROCESSES = 2
 # and `keras-hub` (they provide the same packages). Pinned, so that CI runs
 # what was tested; move the pins forward with a green run, and raise the
 # `keras` range of pyproject.toml (and keras_internals.SUPPORTED_KERAS) only
-# with one on the release. These sessions run the workflow matrix (its
+# with one on the release. The keras-nightly cells run the workflow matrix (its
 # keras-nightly cells, in one process and several: fit, evaluate, predict,
 # generate, callbacks, LoRA and presets through Keras' classes and ours)
 # and the seam to Keras internals (tests/test_keras_internals.py). Weights
@@ -103,18 +103,32 @@ def _install(session, backend, keras_next=False):
     the pinned CPU torch first, which the `torch` extra's range keeps), then
     keras-hub, or keras-nightly and keras-hub-nightly in their place."""
     _check_python(session)
+    # A virtualenv a `tests-<backend>` session left on keras-nightly: the
+    # nightlies go first (they provide the same packages as keras and
+    # keras-hub, which pip would install over them).
+    _uninstall_keras(session, "keras-nightly", "keras-hub-nightly")
     if backend == "torch":
         session.install(TORCH)
     session.install("-e", f".[{EXTRA[backend]},test]")
     session.install(*KERAS_HUB_DEPS)
     if keras_next:
-        # Both nightlies provide the packages `keras` and `keras_hub`.
-        session.run_install("python", "-m", "pip", "uninstall", "--yes",
-                            "--quiet", "keras", "keras-hub", "keras-nightly",
-                            "keras-hub-nightly")
-        session.install("--no-deps", *KERAS_NEXT)
+        _to_keras_next(session)
     else:
         session.install(*KERAS_HUB)
+
+
+def _uninstall_keras(session, *distributions):
+    session.run_install("python", "-m", "pip", "uninstall", "--yes",
+                        "--quiet", *distributions)
+
+
+def _to_keras_next(session):
+    """keras-nightly and keras-hub-nightly in place of keras and keras-hub,
+    in this virtualenv (both provide the packages `keras` and `keras_hub`):
+    the backend and the rest stay installed."""
+    _uninstall_keras(session, "keras", "keras-hub", "keras-nightly",
+                     "keras-hub-nightly")
+    session.install("--no-deps", *KERAS_NEXT)
 
 
 # Compiling is most of a test's time on a CPU. The test runs compile as
@@ -134,20 +148,33 @@ def _install(session, backend, keras_next=False):
 #   the layer zoo's refusals give the same results with grappler off). The
 #   multi-process matrix run, and every process a test starts (examples,
 #   scripts, jobs), keep it on, as users do.
+# - JAX, every run of a session: XLA's programs kept on disk
+#   (`JAX_COMPILATION_CACHE_DIR`, JAX's persistent compilation cache, in
+#   the session's tmp folder): a program compiled again (a one-device
+#   reference, the multi-process run's, keras-nightly's where its graph
+#   is the same) is read back, not compiled. The key is the program, its
+#   options and XLA's flags: what is read is what compiling would give.
 FAST = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
         "tensorflow": {"KLM_TEST_FAST_GRAPHS": "1"}}
 EXACT_COMPILE = "tests/test_born_sharded.py"
 
 
-def _env(backend, fast=False, **more):
+def _env(session, backend, fast=False, **more):
     env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", **more}
     if fast:
         env.update(FAST.get(backend, {}))
+    if backend == "jax":
+        env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(
+            session.create_tmp(), "jax-compilation-cache"),
+            # every program, however quick to compile (the default keeps
+            # those over 1 s)
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 
 def _pytest(session, backend, *args, fast=True):
-    session.run("pytest", *WORKERS, *args, env=_env(backend, fast))
+    session.run("pytest", *WORKERS, *args, env=_env(session, backend, fast))
 
 
 def _launched(session, backend, processes, *args):
@@ -157,7 +184,7 @@ def _launched(session, backend, processes, *args):
         "python", "-m", "keras_layoutmap.launch", "-n", str(processes),
         "--log-dir", session.create_tmp(), "-m", "pytest", "-x", "-p",
         "no:cacheprovider", f"--timeout={LAUNCHED_TEST_TIMEOUT}", *args,
-        env=_env(backend, fast=backend == "jax", OMP_NUM_THREADS="1"),
+        env=_env(session, backend, fast=backend == "jax", OMP_NUM_THREADS="1"),
     )
 
 
@@ -199,24 +226,39 @@ def _run_tests(session, backend, tests=()):
               "-m", f"({MESH_TESTS}) and not processes", *tests)
 
 
+def _both_kerases(session, backend):
+    """Keras 3.15: every test (or those given after `--`, then only on
+    3.15); then keras-nightly swapped into the same virtualenv (its
+    backend's install is most of a session's, 1 to 1.5 minutes) for the
+    `NEXT_TESTS`. The virtualenv is left on keras-nightly; the next run's
+    install puts 3.15 back."""
+    _install(session, backend)
+    _run_tests(session, backend)
+    if session.posargs:
+        return
+    session.log("The keras-nightly cells: the workflow matrix and the seam "
+                "to Keras' internals, on %s", " ".join(KERAS_NEXT))
+    _to_keras_next(session)
+    _run_tests(session, backend, NEXT_TESTS)
+
+
 @nox.session(name="tests-jax", python=PYTHON)
 def tests_jax(session):
-    _install(session, "jax")
-    _run_tests(session, "jax")
+    _both_kerases(session, "jax")
 
 
 @nox.session(name="tests-tensorflow", python=PYTHON)
 def tests_tensorflow(session):
-    _install(session, "tensorflow")
-    _run_tests(session, "tensorflow")
+    _both_kerases(session, "tensorflow")
 
 
 @nox.session(name="tests-torch", python=PYTHON)
 def tests_torch(session):
-    _install(session, "torch")
-    _run_tests(session, "torch")
+    _both_kerases(session, "torch")
 
 
+# keras-nightly's cells alone (`nox` runs them inside `tests-<backend>`), in
+# a virtualenv of their own: `nox -s tests-keras-next-jax -- -k hub`.
 @nox.session(name="tests-keras-next-jax", python=PYTHON)
 def tests_keras_next_jax(session):
     _install(session, "jax", keras_next=True)

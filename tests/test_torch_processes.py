@@ -35,15 +35,17 @@ TRAIN = textwrap.dedent("""
             if batch == 2 and rank == 1:
                 {fail}
 
-    model.fit(np.ones((256, 4)), np.ones((256, 2)), batch_size=8, epochs=50,
-              verbose=0, callbacks=[Fail()])
+    model.fit(np.ones((256, 4)), np.ones((256, 2)), batch_size=8,
+              epochs={epochs}, verbose=0, callbacks=[Fail()])
     print("finished", rank, flush=True)
 """)
 
 
-def launch_training(tmp_path, fail, n=4, timeout=120):
+def launch_training(tmp_path, fail, n=3, timeout=120):
+    """`n` processes train 50 epochs (far longer than the test waits),
+    rank 1 fails in the first: ranks 0 and 2 must end with it."""
     script = tmp_path / "train.py"
-    script.write_text(TRAIN.format(fail=fail))
+    script.write_text(TRAIN.format(fail=fail, epochs=50))
     start = time.monotonic()
     result = launch(n, "--log-dir", tmp_path / "logs", script, timeout=timeout)
     return result, time.monotonic() - start
@@ -72,7 +74,7 @@ def free_port():
 
 def test_torchrun_starts_the_script_the_launcher_starts(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(TRAIN.format(fail="pass"))
+    script.write_text(TRAIN.format(fail="pass", epochs=2))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
