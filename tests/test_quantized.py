@@ -186,3 +186,20 @@ def test_explain_lists_added_variables_with_the_kernel_they_follow():
     assert "follows d1.kernel" in text
     assert report.to_dict()["weights"][1]["follows"] in (None, "d1.kernel")
     assert not report.findings
+
+
+@pytest.mark.parametrize("name", ["kernel_zero", "zero_point"])
+def test_int4_zero_points_follow_the_kernel_under_either_name(name):
+    """int4's zero points, (1, units) beside a kernel split by columns:
+    Keras 3.15 names them `kernel_zero`, keras-nightly `zero_point`. Both
+    take the kernel's split of the units (TensorFlow gathers them by group
+    into the kernel's layout, and refuses replicated ones)."""
+    mesh_ = fake_mesh([("batch", 4), ("model", 2)])
+    layout_map = klm.LayoutMap(mesh_)
+    layout_map["d.kernel"] = (None, "model")
+    layer = keras.layers.Dense(32, name="d")
+    layer.build((None, 16))
+    rule, layout = resolve_weight(layer, name, (1, 32), f"d.{name}",
+                                  f"d/{name}", layout_map, mesh_)
+    assert rule == "d.kernel"
+    assert layout.sharding_specs == [klm.UNSHARDED, "model"]

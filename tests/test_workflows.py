@@ -489,7 +489,9 @@ def planned_specs(path, shape):
         return {"d1": (None, "model"), "d2": ("model", None)}.get(layer, (None, None))
     if name == "bias":
         return ("model",) if layer == "d1" else (None,)
-    if layer == "d1" and name in ("kernel_scale", "kernel_zero") and rank:
+    # int4's zero points: `kernel_zero` (Keras 3.15), `zero_point` (3.16)
+    if layer == "d1" and name in ("kernel_scale", "kernel_zero",
+                                  "zero_point") and rank:
         return (None,) * (rank - 1) + ("model",)
     if layer == "d2" and name == "g_idx":
         return ("model",)

@@ -63,15 +63,6 @@ class Workflow:
                      if c.applies(backend, processes, keras)), None)
 
 
-# keras-nightly's int4 on TensorFlow: the rows that quantize to int4.
-INT4_ON_TF_NIGHTLY = Cannot(
-    "keras-nightly's int4 layers (int8 and float8 run) make an op "
-    "whose layouts DTensor's SPMD expansion cannot combine; "
-    "Keras 3.15's int4 runs. Not yet routed.",
-    match="DTensor cannot run a step.*input and output layout do "
-    "not agree", backend="tensorflow", keras="nightly")
-
-
 WORKFLOWS = (
     Workflow("keras-data-parallel",
              "The Keras distribution guide's `DataParallel`: a `DeviceMesh` "
@@ -132,14 +123,12 @@ WORKFLOWS = (
              "`LayoutMap.scope()` placed before `quantize`; `predict` equal, every "
              "quantized kernel where its rule puts it and each added variable "
              "(scales, zero points, int4's `g_idx`, float8's amax histories) "
-             "following the kernel's split, read from the backend.",
-             cannot=(INT4_ON_TF_NIGHTLY,)),
+             "following the kernel's split, read from the backend."),
     Workflow("quantized-lora-fit",
              "int8 and int4 quantized inside a klm `LayoutMap.scope()`, then "
              "`enable_lora(2)`, then `fit`: losses, LoRA weights and "
              "predictions equal; the quantized kernels bit-identical to one "
-             "device's, before and after training.",
-             cannot=(INT4_ON_TF_NIGHTLY,)),
+             "device's, before and after training."),
     Workflow("quantized-float8-fit",
              "`quantize(\"float8\")` inside a klm scope, then `fit` with "
              "Adam: "

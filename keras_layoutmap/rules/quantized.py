@@ -36,6 +36,9 @@ import math
 
 from keras_layoutmap.layout import Layout
 
+# An int4 kernel's zero points: Keras 3.15 names them `kernel_zero`, Keras
+# 3.16 (its int4 projection mode) `zero_point`.
+_KERNEL_ZERO = ("kernel_zero", "zero_point")
 # float8's per-tensor state: a scalar scale and an amax history per tensor.
 _FLOAT8 = ("inputs_scale", "inputs_amax_history", "kernel_amax_history",
            "outputs_grad_scale", "outputs_grad_amax_history")
@@ -109,7 +112,7 @@ def _dense(layer, name, shape):
     if in_dim is None:
         return None
     base = (int(in_dim), units)
-    if name in ("kernel_scale", "kernel_zero"):
+    if name == "kernel_scale" or name in _KERNEL_ZERO:
         axes = {0: (), 1: (1,), 2: (None, 1)}.get(len(shape))
         return None if axes is None else Follower("kernel", base, base, axes)
     if name == "g_idx":
@@ -173,7 +176,7 @@ def _einsum(layer, name, shape):
         if shape == int8_shape:
             return Follower("kernel", base, base, axes, mode="int8")
     rows, cols = _einsum_flat(layer, base)
-    if name in ("kernel_scale", "kernel_zero"):
+    if name == "kernel_scale" or name in _KERNEL_ZERO:
         if shape == (cols,):
             return Follower("kernel", base, (rows, cols), (1,), mode="int4")
         if len(shape) == 2 and shape[1] == cols:
