@@ -5,7 +5,7 @@ This module is the declaration: the rows, the cells, and the cells where a
 row cannot work with the clear error a user gets there. `test_workflows.py`
 runs every row in the cell of the session running it; nox runs each cell
 (`tests-jax` in one process and under the launcher with 2, `tests-torch`
-with 4, the `tests-keras-next-*` sessions the same on keras-nightly). The
+with 4, then each session the same on keras-nightly). The
 README's "What works" table and docs/workflows.md are generated from it,
 so they claim only what a cell shows:
 
@@ -203,7 +203,7 @@ def docs_page():
         "`tests-tensorflow` in one process (8 devices) and under "
         "`python -m keras_layoutmap.launch -n 2` (4 devices each), "
         "`tests-torch` under the launcher with 4 processes (one device "
-        "each), and the `tests-keras-next-*` sessions the same on "
+        "each), then each session the same on "
         "keras-nightly.",
         "",
     ]
