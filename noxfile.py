@@ -24,6 +24,7 @@ there is no 3.10 to test, though 3.10 interpreters exist.
 """
 
 import os
+import shutil
 import sys
 
 import nox
@@ -81,9 +82,9 @@ MATRIX_PROCESSES = 2
 # and `keras-hub` (they provide the same packages). Pinned, so that CI runs
 # what was tested; move the pins forward with a green run, and raise the
 # `keras` range of pyproject.toml (and keras_internals.SUPPORTED_KERAS) only
-# with one on the release. The keras-nightly cells run the workflow matrix (its
-# keras-nightly cells, in one process and several: fit, evaluate, predict,
-# generate, callbacks, LoRA and presets through Keras' classes and ours)
+# with one on the release. On keras-nightly nox runs the workflow matrix
+# (in one process and several: fit, evaluate, predict, generate,
+# callbacks, LoRA and presets through Keras' classes and ours)
 # and the seam to Keras internals (tests/test_keras_internals.py). Weights
 # born sharded hook a Keras internal too: every matrix row builds its model
 # through that hook and compares it with one device, and one test of their
@@ -145,9 +146,13 @@ def _to_keras_next(session):
 #   optimizer, off in pytest's own processes (tests/conftest.py), about 1.6
 #   times faster. DTensor's SPMD expansion, where its layout rules and
 #   refusals live, is a pass of its own (the TensorFlow-specific tests and
-#   the layer zoo's refusals give the same results with grappler off). The
-#   multi-process matrix run, and every process a test starts (examples,
-#   scripts, jobs), keep it on, as users do.
+#   the layer zoo's refusals give the same results with grappler off).
+#   The matrix's run in 2 processes too, so that it compares with the
+#   one-device numbers the one-process run computed. Every process a test
+#   starts keeps it on, as users do: the examples (the DTensor tutorial
+#   among them), the README's snippet, the launcher's and the schedulers'
+#   jobs, test_processes.py's worker that trains data and model parallel
+#   across 2 processes.
 # - JAX, every run of a session: XLA's programs kept on disk
 #   (`JAX_COMPILATION_CACHE_DIR`, JAX's persistent compilation cache, in
 #   the session's tmp folder): a program compiled again (a one-device
@@ -159,8 +164,15 @@ FAST = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
 EXACT_COMPILE = "tests/test_born_sharded.py"
 
 
+def _references(session):
+    """Where the matrix's one-process run leaves its one-device numbers for
+    the run in several processes (tests/test_workflows.py, `one_device`)."""
+    return os.path.join(session.create_tmp(), "one-device-references")
+
+
 def _env(session, backend, fast=False, **more):
-    env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", **more}
+    env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "KLM_TEST_REFERENCES": _references(session), **more}
     if fast:
         env.update(FAST.get(backend, {}))
     if backend == "jax":
@@ -184,7 +196,7 @@ def _launched(session, backend, processes, *args):
         "python", "-m", "keras_layoutmap.launch", "-n", str(processes),
         "--log-dir", session.create_tmp(), "-m", "pytest", "-x", "-p",
         "no:cacheprovider", f"--timeout={LAUNCHED_TEST_TIMEOUT}", *args,
-        env=_env(session, backend, fast=backend == "jax", OMP_NUM_THREADS="1"),
+        env=_env(session, backend, fast=True, OMP_NUM_THREADS="1"),
     )
 
 
@@ -233,6 +245,8 @@ def _both_kerases(session, backend):
     `NEXT_TESTS`. The virtualenv is left on keras-nightly; the next run's
     install puts 3.15 back."""
     _install(session, backend)
+    # The numbers of an earlier run may be of other code.
+    shutil.rmtree(_references(session), ignore_errors=True)
     _run_tests(session, backend)
     if session.posargs:
         return
@@ -262,18 +276,21 @@ def tests_torch(session):
 @nox.session(name="tests-keras-next-jax", python=PYTHON)
 def tests_keras_next_jax(session):
     _install(session, "jax", keras_next=True)
+    shutil.rmtree(_references(session), ignore_errors=True)
     _run_tests(session, "jax", NEXT_TESTS)
 
 
 @nox.session(name="tests-keras-next-tensorflow", python=PYTHON)
 def tests_keras_next_tensorflow(session):
     _install(session, "tensorflow", keras_next=True)
+    shutil.rmtree(_references(session), ignore_errors=True)
     _run_tests(session, "tensorflow", NEXT_TESTS)
 
 
 @nox.session(name="tests-keras-next-torch", python=PYTHON)
 def tests_keras_next_torch(session):
     _install(session, "torch", keras_next=True)
+    shutil.rmtree(_references(session), ignore_errors=True)
     _run_tests(session, "torch", NEXT_TESTS)
 
 

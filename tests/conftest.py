@@ -20,12 +20,12 @@ elif SHARDING:
 
 import keras  # noqa: E402
 
-# KLM_TEST_FAST_GRAPHS=1 (nox's one-process TensorFlow run): TensorFlow's
-# graph optimizer (grappler) is off in this process, about 1.6 times faster
-# on this suite's tests. DTensor's SPMD expansion (its layout rules and
-# refusals) is a pass of its own; every comparison is one function against
-# another built alike. Processes that tests start, and the multi-process
-# matrix run, keep it on, as users do (noxfile.py, FAST).
+# KLM_TEST_FAST_GRAPHS=1 (nox's TensorFlow pytest runs, one process and
+# the matrix's two): TensorFlow's graph optimizer (grappler) is off in this
+# process, about 1.6 times faster on this suite's tests. DTensor's SPMD
+# expansion (its layout rules and refusals) is a pass of its own; every
+# comparison is one function against another built alike. Processes that
+# tests start keep it on, as users do (noxfile.py, FAST).
 if BACKEND == "tensorflow" and os.environ.get("KLM_TEST_FAST_GRAPHS") == "1":
     import tensorflow as tf
 

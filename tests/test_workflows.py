@@ -10,6 +10,11 @@ numbers are computed once per process and reused by the rows that share
 them.
 """
 
+import hashlib
+import os
+import pathlib
+import pickle
+
 import keras
 import numpy as np
 import pytest
@@ -39,13 +44,43 @@ def row(name):
     return register
 
 
-def one_device(function, *args):
-    """`function(False, *args)`, computed once per process."""
-    key = (function.__name__, args)
-    if key not in _REFERENCES:
-        keras.distribution.set_distribution(None)
-        _REFERENCES[key] = function(False, *args)
-    return _REFERENCES[key]
+def one_device(function, folder):
+    """`function(False, folder)`, computed once per process, and once per
+    session where nox names a folder for it (`KLM_TEST_REFERENCES`): the
+    run in several processes then reads what the one-process run computed
+    (same backend, Keras, device count and compile settings, which name
+    the file), instead of each process computing it again. (torch has no
+    one-process matrix run: its 4 processes compute their own.)"""
+    name = function.__name__
+    if name not in _REFERENCES:
+        saved = _saved_reference(name)
+        if saved is not None and saved.exists():
+            _REFERENCES[name] = pickle.loads(saved.read_bytes())
+        else:
+            keras.distribution.set_distribution(None)
+            _REFERENCES[name] = function(False, folder)
+            # Written by one-process runs only: in a run of several, every
+            # process must compute it or none (a reference may take part
+            # in collectives: saves, BackupAndRestore), and a file that
+            # appeared mid-run would split them.
+            if saved is not None and PROCESSES == 1:
+                scratch = saved.with_name(f"{saved.name}.{os.getpid()}")
+                scratch.write_bytes(pickle.dumps(_REFERENCES[name]))
+                os.replace(scratch, saved)  # whole, or not there
+    return _REFERENCES[name]
+
+
+def _saved_reference(name):
+    folder = os.environ.get("KLM_TEST_REFERENCES")
+    if not folder:
+        return None
+    cell = repr((BACKEND, keras.version(), DEVICES, name,
+                 os.environ.get("XLA_FLAGS", ""),
+                 os.environ.get("KLM_TEST_FAST_GRAPHS", "")))
+    digest = hashlib.sha1(cell.encode()).hexdigest()[:16]
+    path = pathlib.Path(folder, f"{name}-{digest}.pickle")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def keras_mesh(shape, names):
