@@ -32,19 +32,13 @@ Run: KERAS_BACKEND=jax python benchmarks/auto_plan.py
 
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from bench_devices import mesh_devices
+
+DEVICES = mesh_devices(__file__)  # on torch: 4 processes
 BACKEND = os.environ["KERAS_BACKEND"]
 TORCH = BACKEND == "torch"
-if TORCH and "WORLD_SIZE" not in os.environ:
-    sys.exit(subprocess.call(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "4", __file__],
-        env=dict(os.environ, OMP_NUM_THREADS="1")))
-DEVICES = int(os.environ["WORLD_SIZE"]) if TORCH else 8
 
 import keras_layoutmap as klm  # noqa: E402
 

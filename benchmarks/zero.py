@@ -34,20 +34,14 @@ Run: KERAS_BACKEND=jax python benchmarks/zero.py
 """
 
 import os
-import subprocess
-import sys
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from bench_devices import mesh_devices
+
+DEVICES = mesh_devices(__file__)  # on torch: 4 processes
 TORCH = os.environ["KERAS_BACKEND"] == "torch"
-if TORCH and "WORLD_SIZE" not in os.environ:
-    sys.exit(subprocess.call(
-        [sys.executable, "-m", "keras_layoutmap.launch", "-n", "4", __file__],
-        env=dict(os.environ, OMP_NUM_THREADS="1")))
 
 import keras_layoutmap as klm  # noqa: E402
 
-DEVICES = int(os.environ["WORLD_SIZE"]) if TORCH else 8
 klm.configure_virtual_devices(DEVICES)
 
 import gc  # noqa: E402
