@@ -293,6 +293,20 @@ def launch(n, *args, timeout=300, **kwargs):
         capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
+def as_launched_process(monkeypatch, processes, rank, **more):
+    """This process's environment as the launcher gives process `rank` of
+    `processes` (and `more` variables): the checks that
+    `configure_virtual_devices` makes before joining a run, in this process."""
+    for name in ("KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                 "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                 "KERAS_DISTRIBUTION_PROCESS_ID", "KLM_DEVICES_PER_PROCESS"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"WORLD_SIZE": processes, "RANK": rank, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": 29999, **more}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+
+
 def configure_script(path, devices=8):
     """Write a script to `path` that only configures `devices` devices, as
     the first call of a user's script (the launcher's checks need no more)."""

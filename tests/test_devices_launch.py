@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import SPANS_PROCESSES, configure_script, launch
+from helpers import SPANS_PROCESSES, as_launched_process
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends
@@ -89,14 +89,14 @@ def test_launch_help_describes_its_arguments():
         assert flag in result.stdout
 
 
-@pytest.mark.processes
 @pytest.mark.skipif(backends.name() == "torch",
                     reason="torch has one device per process")
-def test_devices_per_process_must_add_up(tmp_path):
-    script = configure_script(tmp_path / "devices.py")
-    result = launch(2, "--devices-per-process", 3, script, timeout=120)
-    assert result.returncode != 0
-    assert "--devices-per-process 3 for 2 processes, 6 devices" in result.stderr
+def test_devices_per_process_must_add_up(monkeypatch):
+    # As `launch -n 2 --devices-per-process 3` starts a script asking for 8.
+    as_launched_process(monkeypatch, 2, 0, KLM_DEVICES_PER_PROCESS=3)
+    with pytest.raises(ValueError, match="--devices-per-process 3 for 2 "
+                       "processes, 6 devices"):
+        klm.configure_virtual_devices(8)
 
 
 @pytest.mark.skipif(backends.get().SHARDING,

@@ -1,13 +1,15 @@
 """A mesh across processes: `python -m keras_layoutmap.launch -n 2` runs one
 script in two processes of 4 devices each, and training equals one device."""
 
+import ast
 import json
 import pathlib
 
 import numpy as np
 import pytest
-from helpers import configure_script, launch
+from helpers import as_launched_process, launch
 
+import keras_layoutmap as klm
 from keras_layoutmap import backends
 from keras_layoutmap.processes import Cluster, cluster_from_environment
 
@@ -135,67 +137,58 @@ def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
 
 
 @pytest.mark.processes
-@pytestmark_mp
-def test_initialize_joins_the_cluster_the_launcher_describes(tmp_path):
-    script = tmp_path / "cluster.py"
-    script.write_text(
-        "import pathlib, sys, keras_layoutmap as klm\n"
-        "klm.initialize()  # a cluster script, run on one machine\n"
-        "mesh = klm.create_mesh([('batch', 8)])\n"
-        "pathlib.Path(sys.argv[1], str(klm.process_index())).write_text(\n"
-        "    f'{klm.process_count()} {len(klm.list_devices())} '\n"
-        "    f'{mesh.num_local_devices()}')\n")
-    result = launch(2, "--devices-per-process", 4, script, tmp_path, timeout=180)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert [(tmp_path / r).read_text() for r in "01"] == ["2 8 4", "2 8 4"]
-
-
-@pytest.mark.processes
-def test_unseeded_processes_make_the_same_replicated_weights(tmp_path):
+def test_unseeded_processes_join_and_make_the_same_replicated_weights(tmp_path):
     """No seed anywhere: every process still makes the same value for a
     weight they all hold replicated (read from each process's own piece),
     and draws the same Python and NumPy numbers, as process 0 would alone.
     Before, each process drew its own weights and the replicas disagreed
-    with no error."""
-    devices = 2 if backends.name() == "torch" else 8
+    with no error. On JAX and TensorFlow the script joins with
+    `klm.initialize()`, as a cluster script does (here on one machine,
+    `launch --devices-per-process 4`), and sees the whole cluster; a torch
+    process holds one device (`configure_virtual_devices(2)`)."""
+    if MULTI_PROCESS:
+        join, options = "klm.initialize()", ["--devices-per-process", 4]
+    else:
+        join, options = "klm.configure_virtual_devices(2)", []
     script = tmp_path / "unseeded.py"
     script.write_text(
         "import pathlib, random, sys\n"
         "import numpy as np\n"
         "import keras_layoutmap as klm\n"
-        f"klm.configure_virtual_devices({devices})\n"
+        f"{join}\n"
         "import keras\n"
         "mesh = klm.create_mesh([('batch', len(klm.list_devices()))])\n"
         "with klm.DataParallel(mesh).scope():\n"
         "    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
         "piece = klm.unpack(model.layers[0].kernel)[0]\n"
         "mine = keras.ops.convert_to_numpy(piece).round(6).tolist()\n"
+        "seen = (klm.process_count(), len(klm.list_devices()),\n"
+        "        mesh.num_local_devices())\n"
         "pathlib.Path(sys.argv[1], str(klm.process_index())).write_text(\n"
-        "    repr((mine, random.random(), float(np.random.rand()))))\n")
-    result = launch(2, script, tmp_path, timeout=180)
+        "    repr((seen, mine, random.random(), float(np.random.rand()))))\n")
+    result = launch(2, *options, script, tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
-    first, second = [(tmp_path / r).read_text() for r in "01"]
+    first, second = [ast.literal_eval((tmp_path / r).read_text()) for r in "01"]
+    assert first[0] == ((2, 8, 4) if MULTI_PROCESS else (2, 2, 1))
     assert first == second
 
 
-@pytest.mark.processes
 @pytestmark_mp
-def test_devices_that_do_not_spread_evenly_say_how_to_launch(tmp_path):
-    script = configure_script(tmp_path / "three.py")
-    result = launch(3, script, timeout=120)
-    assert result.returncode != 0
-    assert "cannot be spread evenly over the 3 processes" in result.stderr
-    assert "keras_layoutmap.launch -n 4" in result.stderr
+def test_devices_that_do_not_spread_evenly_say_how_to_launch(monkeypatch):
+    # Process 1 of 3, as `launch -n 3` starts it: refused before joining.
+    # (The launcher passes a process's error on: test_devices_launch.py.)
+    as_launched_process(monkeypatch, 3, 1)
+    with pytest.raises(ValueError, match="cannot be spread evenly over the 3 "
+                       r"processes.*keras_layoutmap\.launch -n 4"):
+        klm.configure_virtual_devices(8)
 
 
-@pytest.mark.processes
 @pytest.mark.skipif(backends.name() != "torch",
                     reason="JAX and TensorFlow put several devices in a process")
-def test_torch_needs_one_process_per_device(tmp_path):
-    script = configure_script(tmp_path / "two.py")
-    result = launch(2, script, timeout=120)
-    assert result.returncode != 0
-    assert "keras_layoutmap.launch -n 8" in result.stderr
+def test_torch_needs_one_process_per_device(monkeypatch):
+    as_launched_process(monkeypatch, 2, 0)  # `launch -n 2`, 8 devices asked
+    with pytest.raises(RuntimeError, match=r"keras_layoutmap\.launch -n 8"):
+        klm.configure_virtual_devices(8)
 
 
 @pytest.mark.processes

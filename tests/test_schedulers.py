@@ -289,19 +289,19 @@ def run_job(tasks, out, *args, timeout=240):
 
 def _jobs():
     """Each scheduler's two-task job: every task's variables and the
-    worker's arguments. Together they train both plans: SLURM data- and
-    model-parallel, Open MPI model-parallel, Kubernetes data-parallel
-    (its script calls `configure_virtual_devices`; torch: one device per
-    process)."""
+    worker's arguments. Together they train both plans on every backend:
+    SLURM model-parallel, Kubernetes data-parallel (its script calls
+    `configure_virtual_devices`; torch: one device per process), and on
+    JAX Open MPI data-parallel."""
     devices = 2 if BACKEND == "torch" else 4
     slurm_id = _free_job_id()
     mpi_job = (_free_job_id() % 4096) * 4096  # the port it derives is free
     address = f"127.0.0.1:{_free_port()}"
     return {
         "slurm": ([slurm(slurm_id, 2, i) for i in range(2)],
-                  ["data_parallel,model_parallel", "initialize"]),
+                  ["model_parallel", "initialize"]),
         "open-mpi": ([open_mpi(mpi_job, 2, i) for i in range(2)],
-                     ["model_parallel", "initialize"]),
+                     ["data_parallel", "initialize"]),
         "kubernetes": ([kubeflow_jax(address, 2, i) for i in range(2)],
                        ["data_parallel", "configure", devices]),
     }

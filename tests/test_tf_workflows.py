@@ -1,23 +1,23 @@
 """TensorFlow: Keras' own distribution API and keras-hub's `generate()` on a
 mesh.
 
-- `keras.distribution.list_devices()` names every device of every process
-  once, as `klm.list_devices()` does (Keras' TensorFlow module lists each
-  process's devices under the same names, `cpu:0 ...`, so the Keras guide's
-  `DeviceMesh(..., devices=keras.distribution.list_devices())` was refused
-  across processes), and `keras.distribution.get_device_count()` exists.
+- `keras.distribution.list_devices()` names every device once, as
+  `klm.list_devices()` does, and `keras.distribution.get_device_count()`
+  exists. Across processes (Keras' TensorFlow module listed each process's
+  devices under the same names, `cpu:0 ...`, so the Keras guide's
+  `DeviceMesh(..., devices=keras.distribution.list_devices())` was refused):
+  the workflow matrix's rows that make the guide's mesh, in its cell of 2
+  TensorFlow processes (test_workflows.py, `keras_mesh`).
 - A keras-hub `GemmaCausalLM` generates on a mesh the ids one device does:
   Keras' TensorFlow einsum transposed the replicated KV cache into a matmul
   with the split query, which DTensor's Transpose refuses ("TransposeOp SPMD
   needs communication is not supported yet").
 """
 
-import textwrap
-
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, DEVICES, launch
+from helpers import BACKEND, DEVICES
 
 import keras_layoutmap as klm
 
@@ -46,30 +46,6 @@ def test_keras_list_devices_is_klms():
     mesh = keras.distribution.DeviceMesh(
         (DEVICES,), ["batch"], devices=keras.distribution.list_devices())
     assert mesh.devices.size == DEVICES
-
-
-_TWO_PROCESSES = """
-import keras_layoutmap as klm
-klm.configure_virtual_devices({devices})
-import keras
-
-devices = keras.distribution.list_devices()
-assert devices == klm.list_devices(), (devices, klm.list_devices())
-assert len(set(devices)) == {devices}, devices
-assert keras.distribution.get_device_count() == {devices}
-mesh = keras.distribution.DeviceMesh(({devices},), ["batch"], devices=devices)
-keras.distribution.set_distribution(
-    keras.distribution.DataParallel(device_mesh=mesh))
-print("process", klm.process_index(), "devices", devices, flush=True)
-"""
-
-
-def test_keras_list_devices_across_two_processes(tmp_path):
-    script = tmp_path / "two.py"
-    script.write_text(textwrap.dedent(_TWO_PROCESSES.format(devices=DEVICES)))
-    result = launch(2, script, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("devices ['cpu:0'") == 2, result.stdout
 
 
 # -- keras-hub generate() --------------------------------------------------------
