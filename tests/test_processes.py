@@ -176,7 +176,8 @@ def test_unseeded_processes_join_and_make_the_same_replicated_weights(tmp_path):
 @pytestmark_mp
 def test_devices_that_do_not_spread_evenly_say_how_to_launch(monkeypatch):
     # Process 1 of 3, as `launch -n 3` starts it: refused before joining.
-    # (The launcher passes a process's error on: test_devices_launch.py.)
+    # (The launcher passes a failing process's error on: below,
+    # test_a_process_that_raises_ends_the_run.)
     as_launched_process(monkeypatch, 3, 1)
     with pytest.raises(ValueError, match="cannot be spread evenly over the 3 "
                        r"processes.*keras_layoutmap\.launch -n 4"):
