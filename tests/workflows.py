@@ -105,7 +105,7 @@ WORKFLOWS = (
              "batch axis does not divide (computed whole on every device)."),
     Workflow("hub-generate-data-parallel",
              "`keras.distribution.DataParallel`, greedy `generate()` of 8 "
-             "prompts of mixed lengths (one a device on 8 devices, two on 4)."),
+             "prompts of mixed lengths (one per device on 8 devices, two on 4)."),
     Workflow("hub-lora",
              "The recipe, `backbone.enable_lora(2)`, then `fit`: the LoRA "
              "weights equal one device's, the frozen ones bit-identical."),
