@@ -293,18 +293,32 @@ def launch(n, *args, timeout=300, **kwargs):
         capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def as_launched_process(monkeypatch, processes, rank, **more):
-    """This process's environment as the launcher gives process `rank` of
-    `processes` (and `more` variables): the checks that
-    `configure_virtual_devices` makes before joining a run, in this process."""
-    for name in ("KERAS_DISTRIBUTION_JOB_ADDRESSES",
-                 "KERAS_DISTRIBUTION_NUM_PROCESSES",
-                 "KERAS_DISTRIBUTION_PROCESS_ID", "KLM_DEVICES_PER_PROCESS"):
+# What our launcher (or an enclosing run, or a scheduler's job) tells a
+# process about the run it is in.
+LAUNCHER_VARIABLES = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID",
+    "KLM_DEVICES_PER_PROCESS", "DTENSOR_JOBS", "XLA_FLAGS")
+
+
+def process_environment(monkeypatch, env):
+    """This process's environment as that of a process whose run `env`
+    describes (a launcher's or a scheduler's variables) and no other: the
+    checks `initialize` and `configure_virtual_devices` make before joining
+    a run, in this process."""
+    for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    env = {"WORLD_SIZE": processes, "RANK": rank, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": 29999, **more}
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
+
+
+def as_launched_process(monkeypatch, processes, rank, **more):
+    """`process_environment` as the launcher gives process `rank` of
+    `processes` (and `more` variables)."""
+    process_environment(monkeypatch, {
+        "WORLD_SIZE": processes, "RANK": rank, "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": 29999, **more})
 
 
 def configure_script(path, devices=8):

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import small_classifier, small_fit
+from helpers import LAUNCHER_VARIABLES, process_environment, small_classifier, small_fit
 
 import keras_layoutmap as klm
 from keras_layoutmap import backends, schedulers
@@ -24,12 +24,6 @@ from keras_layoutmap.processes import cluster_from_environment
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "scheduled.py"
 BACKEND = backends.name()
-# What our launcher (or an enclosing run) sets: a simulated job has none.
-LAUNCHER_VARIABLES = (
-    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
-    "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID",
-    "KLM_DEVICES_PER_PROCESS", "DTENSOR_JOBS", "XLA_FLAGS")
 
 
 def slurm(job_id, tasks, index, nodes="localhost", per_node=None):
@@ -196,9 +190,8 @@ def test_jax_detects_the_same_jobs():
 def scheduler_environment(monkeypatch):
     """This process as a task of a simulated job: `set(env)` puts a
     scheduler's variables in place of any launcher's."""
-    for name in LAUNCHER_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return lambda env: [monkeypatch.setenv(k, v) for k, v in env.items()]
+    process_environment(monkeypatch, {})
+    return lambda env: process_environment(monkeypatch, env)
 
 
 def _batch_script():
