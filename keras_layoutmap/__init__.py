@@ -79,6 +79,7 @@ if not _LIGHT:
     from keras_layoutmap import metrics, optimizers
     from keras_layoutmap import metrics as _metrics
     from keras_layoutmap import placement as _placement
+    from keras_layoutmap import checkpoints as _checkpoints
     from keras_layoutmap import processes as _processes
     from keras_layoutmap import trainer as _trainer
     from keras_layoutmap.auto_plan import auto_layout_map
@@ -121,6 +122,7 @@ if not _LIGHT:
     _metrics.install()
     _placement.install()
     _processes.install()  # before the trainer wraps save_weights
+    _checkpoints.install()
     _trainer.install()
 else:
 

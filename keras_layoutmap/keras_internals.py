@@ -173,3 +173,15 @@ tf_dataset_split = optional(
     "TFDatasetAdapter._distribute_dataset")
 TFDatasetAdapter = private(
     "keras.src.trainers.data_adapters.tf_dataset_adapter:TFDatasetAdapter")
+
+# Keras' Orbax checkpoints (`keras.callbacks.OrbaxCheckpoint`,
+# `load_model(directory)`): the callback's module (its `_get_state_tree`),
+# the loaders' modules (each holds `build_orbax_abstract_pytree` by name),
+# the lazy `orbax.checkpoint.v1` (`ocp`, its class `OrbaxLazyModule`) and
+# the model-config serializer the callback calls.
+orbax_callback_module = private("keras.src.callbacks.orbax_checkpoint")
+orbax_loading_modules = modules_holding(
+    "build_orbax_abstract_pytree", "keras.src.saving.orbax_util",
+    "keras.src.saving.saving_api")
+orbax_lazy_module = private("keras.src.utils.module_utils:ocp")
+saving_lib = private("keras.src.saving.saving_lib")

@@ -1,0 +1,279 @@
+"""Keras' sharded checkpoints on every backend: `keras.callbacks.OrbaxCheckpoint`,
+`keras.models.load_model(directory)` and `model.load_weights(directory)`.
+
+Keras writes them with Orbax, whose multi-process support is JAX's: on
+TensorFlow and torch, Keras hands Orbax every value whole (gathered on
+every process) and every process writes the same files. Here, on those
+backends and across processes, Orbax is given each sharded value as a
+`jax.Array` of the shards this process holds (`backends.orbax_arrays`):
+each process writes its own, in the format JAX writes, so that a
+checkpoint written under one backend, mesh or process count restores
+under another. Reading, every backend (JAX too) asks Orbax for each value
+laid out as the model's variable is, whatever layout wrote it; a value
+whose shape differs from the variable's is refused, naming it.
+
+>>> import keras
+>>> import keras_layoutmap as klm
+>>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+>>> model.compile("sgd", "mse")
+>>> saving = keras.callbacks.OrbaxCheckpoint("/tmp/klm_doc_ckpt")  # doctest: +SKIP
+>>> model.fit(x, y, callbacks=[saving])  # doctest: +SKIP
+>>> restored = keras.models.load_model("/tmp/klm_doc_ckpt")  # doctest: +SKIP
+"""
+
+import functools
+import json
+
+from keras_layoutmap import backends, keras_internals
+
+
+def _arrays():
+    from keras_layoutmap.backends import orbax_arrays
+
+    return orbax_arrays
+
+
+def _mirrors():
+    """Whether values go through JAX's mirror (TensorFlow and torch)."""
+    return backends.name() != "jax"
+
+
+def _joined_first(initialize):
+    """Orbax's first use by Keras (its lazy `ocp` module): a run of several
+    TensorFlow or torch processes starts its JAX mirror before Orbax asks
+    JAX anything."""
+
+    @functools.wraps(initialize)
+    def method(self, *args, **kwargs):
+        result = initialize(self, *args, **kwargs)
+        if _mirrors():
+            _arrays().join()
+        return result
+
+    return method
+
+
+def state_tree(model):
+    """What `OrbaxCheckpoint` writes of `model` on TensorFlow and torch:
+    Keras' state tree, each sharded value as this process's shards."""
+    arrays = _arrays()
+    arrays.join()
+    tree = model.get_state_tree(value_format="backend_tensor")
+    return _map_leaves(tree, arrays.to_jax)
+
+
+def _map_leaves(tree, function):
+    if isinstance(tree, dict):
+        return {k: _map_leaves(v, function) for k, v in tree.items()}
+    return function(tree)
+
+
+def _state_tree(get_state_tree):
+    @functools.wraps(get_state_tree)
+    def function(model):
+        if not _mirrors():
+            return get_state_tree(model)
+        return state_tree(model)
+
+    return function
+
+
+def abstract_tree(checkpoint_path, ref_state=None):
+    """What Orbax reads a checkpoint into: every saved value that the
+    model has, with the model's shape, dtype and layout (whatever backend,
+    mesh or process count wrote it); the others as saved. A value whose
+    saved shape is not the model's is refused, naming both."""
+    ocp = keras_internals.orbax_lazy_module
+    arrays = _arrays()
+    saved = ocp.pytree_metadata(
+        checkpoint_path, checkpointable_name="pytree").metadata
+    model_name = _MODEL_NAME.get("name") or ""
+
+    def leaf(meta, ref, path):
+        if not (hasattr(meta, "shape") and hasattr(meta, "dtype")):
+            return meta  # a Python scalar (TensorFlow's, torch's): as saved
+        if ref is None:
+            return arrays.abstract(meta.shape, meta.dtype, None)
+        shape = tuple(ref.shape)
+        if tuple(meta.shape) != shape:
+            raise ValueError(
+                f"The checkpoint {checkpoint_path!r} holds {path!r} with "
+                f"shape {tuple(meta.shape)}, but the model's variable has "
+                f"shape {shape}. Restore it into the model it was written "
+                "from (the same layer sizes).")
+        return arrays.abstract(meta.shape, meta.dtype, ref)
+
+    tree = {}
+    for group, value in saved.items():
+        refs = (ref_state or {}).get(group)
+        if not isinstance(value, dict):
+            tree[group] = leaf(value, refs, group)
+            continue
+        refs = _flat(refs) if isinstance(refs, dict) else {}
+        short = {_without_model_name(p, model_name): r
+                 for p, r in refs.items()}
+        tree[group] = _nested({
+            path: leaf(meta, refs.get(path, short.get(
+                _without_model_name(path, model_name))), path)
+            for path, meta in _flat(value).items()})
+    return tree
+
+
+_MODEL_NAME = {}  # the model a checkpoint is being read into
+
+
+def _reading_into(get_state_tree):
+    """Keras asks the model for its state tree right before it builds what
+    Orbax reads into: remember whose it is (its name, for
+    `_without_model_name`)."""
+
+    @functools.wraps(get_state_tree)
+    def method(self, *args, **kwargs):
+        _MODEL_NAME["name"] = self.name
+        return get_state_tree(self, *args, **kwargs)
+
+    return method
+
+
+_GROUPS = {"trainable_variables": lambda m: m.trainable_variables,
+           "non_trainable_variables": lambda m: m.non_trainable_variables,
+           "optimizer_variables": lambda m: (
+               m.optimizer.variables if getattr(m, "optimizer", None) else []),
+           "metrics_variables": lambda m: m.metrics_variables}
+_CHECKED = ("trainable_variables", "non_trainable_variables")
+
+
+def _flat(tree, prefix=""):
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _nested(flat):
+    tree = {}
+    for path, value in flat.items():
+        *parents, last = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _without_model_name(path, name):
+    """`path` without the model's own name: Keras 3.15 names a model's
+    variables `mlp/d1/kernel` when it builds them, `d1/kernel` when
+    `load_model` rebuilds it from its config (and the optimizer's slots
+    `mlp_d1_kernel_momentum`, `d1_kernel_momentum`)."""
+    parts = [p[len(name) + 1:] if p.startswith(name + "_") else p
+             for p in path.split("/") if p != name]
+    return "/".join(parts)
+
+
+def matched_to_model(model, tree):
+    """`tree` (a state tree read from a checkpoint) with its paths those of
+    `model`'s variables, where they differ only by the model's name; a
+    weight of the model the checkpoint lacks is refused, naming it (Keras
+    would leave it as initialized, silently)."""
+    matched = dict(tree)
+    for group, variables in _GROUPS.items():
+        if not isinstance(tree.get(group), dict):
+            continue
+        paths = [v.path for v in variables(model)]
+        saved = _flat(tree[group])
+        by_short = {}
+        for path in paths:
+            by_short.setdefault(_without_model_name(path, model.name),
+                                []).append(path)
+        renamed = {}
+        for path, value in saved.items():
+            if path not in paths:
+                same = by_short.get(_without_model_name(path, model.name), [])
+                if len(same) == 1:
+                    path = same[0]
+            renamed[path] = value
+        missing = [p for p in paths if p not in renamed]
+        if group in _CHECKED and missing:
+            raise ValueError(
+                f"The checkpoint holds no value for {len(missing)} of the "
+                f"model's {group}: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}. It holds: "
+                f"{sorted(saved)[:10]}. Restore it into the model it was "
+                "written from.")
+        matched[group] = _nested(renamed)
+    return matched
+
+
+def _set_matched(set_state_tree):
+    """A state tree read from a checkpoint, assigned to the model's own
+    variables (`matched_to_model`); on TensorFlow and torch, each value
+    Orbax read as a `jax.Array` made the backend's own, laid out as read."""
+
+    @functools.wraps(set_state_tree)
+    def method(self, tree):
+        tree = matched_to_model(self, tree)
+        if _mirrors():
+            arrays = _arrays()
+            tree = _map_leaves(tree, lambda leaf: arrays.from_jax(leaf)
+                               if arrays.is_jax_array(leaf) else leaf)
+        return set_state_tree(self, tree)
+
+    return method
+
+
+def _backend_neutral(config):
+    """`config` (a serialized model) with each optimizer named by Keras'
+    public module: TensorFlow and torch record their own optimizer classes
+    (`keras.src.backend.torch.optimizers.torch_adam`), which another
+    backend cannot import; `keras.optimizers.Adam` makes each backend's
+    own."""
+    from keras import optimizers
+
+    if isinstance(config, list):
+        return [_backend_neutral(c) for c in config]
+    if not isinstance(config, dict):
+        return config
+    config = {k: _backend_neutral(v) for k, v in config.items()}
+    module, name = config.get("module"), config.get("class_name")
+    if (isinstance(module, str) and module.startswith("keras.src.backend.")
+            and ".optimizers" in module and hasattr(optimizers, str(name))):
+        config["module"] = "keras.optimizers"
+    return config
+
+
+def _neutral_json(serialize_model_as_json):
+    @functools.wraps(serialize_model_as_json)
+    def function(model):
+        config_json, metadata_json = serialize_model_as_json(model)
+        return json.dumps(_backend_neutral(json.loads(config_json))), \
+            metadata_json
+
+    return function
+
+
+_INSTALLED = False
+
+
+def install():
+    """Route Keras' Orbax checkpoints through the functions above
+    (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    lazy = type(keras_internals.orbax_lazy_module)
+    lazy.initialize = _joined_first(lazy.initialize)
+    callback = keras_internals.orbax_callback_module
+    callback._get_state_tree = _state_tree(callback._get_state_tree)
+    for module in keras_internals.orbax_loading_modules:
+        module.build_orbax_abstract_pytree = abstract_tree
+    Model = keras_internals.Model
+    Model.get_state_tree = _reading_into(Model.get_state_tree)
+    Model.set_state_tree = _set_matched(Model.set_state_tree)
+    saving_lib = keras_internals.saving_lib
+    saving_lib._serialize_model_as_json = _neutral_json(
+        saving_lib._serialize_model_as_json)
+    _INSTALLED = True
