@@ -53,11 +53,19 @@ def _joined_first(initialize):
     return method
 
 
-def state_tree(model):
-    """What `OrbaxCheckpoint` writes of `model` on TensorFlow and torch:
-    Keras' state tree, each sharded value as this process's shards."""
+def state_tree(model, get_state_tree):
+    """What `OrbaxCheckpoint` writes of `model`: on TensorFlow and torch
+    across processes, Keras' state tree with each sharded value as this
+    process's shards (`orbax_arrays.to_jax`); in one process, Keras' own
+    (every value whole, gathered in this process by `get_state_tree`). On
+    JAX, Keras' own, with the values each process holds alone (metrics'
+    counts, on one device of each process, the same everywhere) as numpy:
+    Orbax refuses such arrays across processes."""
     arrays = _arrays()
-    arrays.join()
+    if not _mirrors():
+        return _map_leaves(get_state_tree(model), arrays.host_local_as_numpy)
+    if not arrays.join():
+        return get_state_tree(model)
     tree = model.get_state_tree(value_format="backend_tensor")
     return _map_leaves(tree, arrays.to_jax)
 
@@ -71,9 +79,7 @@ def _map_leaves(tree, function):
 def _state_tree(get_state_tree):
     @functools.wraps(get_state_tree)
     def function(model):
-        if not _mirrors():
-            return get_state_tree(model)
-        return state_tree(model)
+        return state_tree(model, get_state_tree)
 
     return function
 

@@ -155,16 +155,22 @@ def keras_data_parallel(distributed, folder):
         keras.distribution.set_distribution(None)
 
 
-@row("keras-model-parallel")
-def keras_model_parallel(distributed, folder):
-    if not distributed:
-        return train_evaluate_predict(mlp())
+def keras_model_parallel_plan():
+    """The guide's `ModelParallel`: a Keras `LayoutMap` of `MODEL_RULES` on
+    a (batch, model) mesh over Keras' device list."""
     mesh = keras_mesh((DEVICES // 2, 2), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in MODEL_RULES.items():
         layout_map[key] = axes
-    distribution = keras.distribution.ModelParallel(
+    return keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch")
+
+
+@row("keras-model-parallel")
+def keras_model_parallel(distributed, folder):
+    if not distributed:
+        return train_evaluate_predict(mlp())
+    distribution = keras_model_parallel_plan()
     with distribution.scope():
         model = mlp()
     kernel = model.get_layer("d1").kernel
@@ -263,6 +269,85 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# -- sharded checkpoints (Keras' OrbaxCheckpoint) --------------------------------
+
+
+def _state(model, prefix):
+    out = {f"{prefix}{i}": w for i, w in enumerate(numpy_weights(model))}
+    out.update({f"{prefix}_opt{i}": keras.ops.convert_to_numpy(v)
+                for i, v in enumerate(model.optimizer.variables)})
+    return out
+
+
+def _assert_same_state(got, expected):
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+@row("orbax-checkpoint")
+def orbax_checkpoint(distributed, folder):
+    # Every process names the same directory, as a user's script does;
+    # each writes its own shards.
+    folder = folder / ("mesh" if distributed else "one")
+    x, y = digits_data(DIGITS_ROWS)
+    plan = keras_model_parallel_plan() if distributed else None
+    other = (keras.distribution.DataParallel(
+        device_mesh=keras_mesh((DEVICES,), ["batch"])) if distributed
+        else None)
+
+    def fit(model, epochs, initial_epoch=0, callbacks=()):
+        model.fit(x, y, batch_size=64, epochs=epochs, shuffle=False,
+                  verbose=0, initial_epoch=initial_epoch,
+                  callbacks=list(callbacks))
+
+    try:
+        keras.distribution.set_distribution(plan)
+        model = mlp()
+        fit(model, 2, callbacks=[keras.callbacks.OrbaxCheckpoint(
+            str(folder / "ckpt"), max_to_keep=2)])
+        out = _state(model, "trained")
+        resumed = keras.models.load_model(str(folder / "ckpt"))
+        _assert_same_state(_state(resumed, "trained"), out)  # exact
+        if distributed:
+            kernel = resumed.get_layer("d1").kernel
+            assert tuple(klm.fetch_layout(kernel).axes) == (None, "model")
+        # Resumed at epoch 3 = never stopped: weights, Adam's moments and
+        # step count.
+        fit(resumed, 3, initial_epoch=2)
+        fit(model, 3, initial_epoch=2)
+        out.update(_state(resumed, "resumed"))
+        _assert_same_state(_state(model, "resumed"), _state(resumed, "resumed"))
+        keras.distribution.set_distribution(other)  # another plan reads it
+        out.update(_state(keras.models.load_model(str(folder / "ckpt")),
+                          "read"))
+        return out
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+ORBAX_FIXTURES = pathlib.Path(__file__).parent / "data" / "orbax"
+
+
+@row("orbax-other-backends")
+def orbax_other_backends(distributed, folder):
+    out = {}
+    for saved in sorted(ORBAX_FIXTURES.glob("*-processes")):
+        plan = keras_model_parallel_plan() if distributed else None
+        keras.distribution.set_distribution(plan)
+        try:
+            model = keras.models.load_model(str(saved))
+        finally:
+            keras.distribution.set_distribution(None)
+        expected = np.load(saved.with_suffix(".npz"))
+        state = {f"w{i}": w for i, w in enumerate(numpy_weights(model))}
+        state.update({f"opt{i}": keras.ops.convert_to_numpy(v)
+                      for i, v in enumerate(model.optimizer.variables)})
+        _assert_same_state(state, expected)
+        out.update({f"{saved.name}/{k}": v for k, v in state.items()})
+    assert len(out) > 0, f"no checkpoints in {ORBAX_FIXTURES}"
+    return out
 
 
 # -- keras-hub ----------------------------------------------------------------

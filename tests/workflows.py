@@ -85,6 +85,18 @@ WORKFLOWS = (
              "`ModelCheckpoint(save_weights_only=True)`, interrupted after "
              "the first epoch and run again (it resumes), then the "
              "checkpoint loaded into a model with no distribution."),
+    Workflow("orbax-checkpoint",
+             "Keras' `OrbaxCheckpoint` in `fit` under the guide's "
+             "`ModelParallel` (each process writes only its own shards), "
+             "then `keras.models.load_model(directory)`: weights, Adam's "
+             "moments and step count exact, the kernel laid out as the plan "
+             "says; resumed with `fit(initial_epoch=2)`, equal to the run "
+             "never stopped; read again under `DataParallel`."),
+    Workflow("orbax-other-backends",
+             "`load_model` under the guide's `ModelParallel` of the "
+             "checkpoints `OrbaxCheckpoint` wrote under JAX (2 processes), "
+             "TensorFlow (2) and torch (4) (tests/data/orbax): every weight "
+             "and optimizer variable exact."),
     Workflow("hub-fit",
              "keras-hub's recipe, `ModelParallel(layout_map="
              "GemmaBackbone.get_layout_map(mesh))`: a tiny `GemmaCausalLM` "

@@ -191,6 +191,15 @@ def abstract(shape, dtype, target):
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
+def host_local_as_numpy(value):
+    """A JAX array this process holds alone in a run of several processes
+    (on its own devices only), as numpy; any other value as it is."""
+    if (isinstance(value, jax.Array) and jax.process_count() > 1
+            and value.is_fully_addressable):
+        return np.asarray(value)
+    return value
+
+
 def is_jax_array(value):
     return isinstance(value, jax.Array)
 
