@@ -60,6 +60,16 @@ def test_sharded_save_on_process_0_only_fails_at_once(tmp_path):
 
 
 @needs_processes
+def test_orbax_checkpoint_on_process_0_only_fails_at_once(tmp_path):
+    if klm.process_index() == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="on every process"):
+            keras.callbacks.OrbaxCheckpoint(str(tmp_path / "ckpt"))
+        assert time.monotonic() - start < 10
+    backends.get().barrier("after_failed_orbax_checkpoint")
+
+
+@needs_processes
 def test_replicated_save_on_process_0_only_works(tmp_path):
     with klm.DataParallel(dp_mesh()).scope():
         model = build()

@@ -67,15 +67,27 @@ def joined():
 
 
 def join():
-    """Mirror this run of several processes in JAX (once; collective: every
-    process calls it). Returns False where there is one process."""
+    """Mirror this run of several processes in JAX (the first time; every
+    time a collective: every process calls it, for each checkpoint it
+    starts). Returns False where there is one process."""
     backend = _backend()
     count = backend.process_count()
     if count == 1:
         return False
+    index = backend.process_index()
+    # Where the backend can tell (torch: a handshake outside any
+    # collective), a checkpoint started on some processes only fails at
+    # once, on them, instead of waiting in a collective.
+    enter = getattr(backend, "enter_together", None)
+    if enter is not None and not enter("orbax_checkpoint_join"):
+        raise RuntimeError(
+            f"An Orbax checkpoint was started on process {index} but not on "
+            f"all {count} processes of the run. Each process writes and "
+            "reads its own shards, together: create "
+            "`keras.callbacks.OrbaxCheckpoint` and call `load_model` / "
+            "`load_weights` on every process, not under `if rank == 0:`.")
     if joined():
         return True
-    index = backend.process_index()
     local = [str(d) for d in backend.local_devices()]
     cluster = cluster_from_environment()
     host = (cluster.coordinator_address.rsplit(":", 1)[0]

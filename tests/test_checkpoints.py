@@ -1,0 +1,107 @@
+"""Keras' sharded checkpoints (`OrbaxCheckpoint`, `load_model(directory)`)
+survive a run killed in the middle of a save: the last checkpoint whose save
+completed restores exactly. (Saving and restoring across backends, meshes
+and processes: the matrix's rows `orbax-checkpoint` and
+`orbax-other-backends`.)"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from helpers import DEVICES, TESTS
+from test_workflows import keras_model_parallel_plan
+
+import keras_layoutmap as klm
+
+pytestmark = pytest.mark.processes
+
+# A user's script, run in a fresh process: the matrix's MLP trained model
+# parallel where the backend makes 8 devices in one process (one device on
+# torch), OrbaxCheckpoint saving after every batch in the background; at
+# batch 5, once that save has begun (its temporary directory is there),
+# the process is killed. Every batch's weights are kept beside it.
+_SCRIPT = r'''
+import os, signal, sys, time
+import keras
+import numpy as np
+import keras_layoutmap as klm
+
+devices = 1 if keras.backend.backend() == "torch" else 8
+klm.configure_virtual_devices(devices)
+from helpers import digits_data
+from test_workflows import keras_model_parallel_plan, mlp
+
+folder = sys.argv[1]
+checkpoints = os.path.join(folder, "ckpt")
+if devices > 1:
+    keras.distribution.set_distribution(keras_model_parallel_plan())
+model = mlp()
+x, y = digits_data(300)
+KILL_AT = 5
+
+
+class Record(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        np.savez(os.path.join(folder, f"step{self.step}.npz"),
+                 *[keras.ops.convert_to_numpy(w) for w in self.model.weights])
+
+
+class KillMidSave(keras.callbacks.Callback):
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.record.step == KILL_AT:
+            tmp = os.path.join(checkpoints, f"{KILL_AT}.orbax-checkpoint-tmp")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(tmp) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+record = Record()
+model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+          callbacks=[record, keras.callbacks.OrbaxCheckpoint(
+              checkpoints, save_freq=1, max_to_keep=3), KillMidSave(record)])
+sys.exit("the training was not killed")
+'''
+
+
+def test_a_run_killed_mid_save_restores_the_last_complete_checkpoint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [root, TESTS, os.environ.get("PYTHONPATH")])))
+    killed = subprocess.run([sys.executable, str(script), str(tmp_path)],
+                            env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = sorted(os.listdir(tmp_path / "ckpt"))
+    # Killed while step 5 was being written: it never completed.
+    assert "5.orbax-checkpoint-tmp" in saved and "5" not in saved, saved
+    complete = max(int(name) for name in saved if name.isdigit())
+    assert 1 <= complete < 5, saved
+    # Read as it was written: model parallel where there are 8 devices.
+    keras.distribution.set_distribution(
+        keras_model_parallel_plan() if DEVICES > 1 else None)
+    try:
+        model = keras.models.load_model(str(tmp_path / "ckpt"))
+    finally:
+        keras.distribution.set_distribution(None)
+    expected = np.load(tmp_path / f"step{complete}.npz")
+    for i, weight in enumerate(model.weights):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(weight), expected[f"arr_{i}"],
+            err_msg=weight.path)
+    assert int(model.optimizer.iterations) == complete
