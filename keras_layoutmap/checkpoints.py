@@ -23,6 +23,7 @@ whose shape differs from the variable's is refused, naming it.
 
 import functools
 import json
+import os
 
 from keras_layoutmap import backends, keras_internals
 
@@ -67,7 +68,29 @@ def state_tree(model, get_state_tree):
     if not arrays.join():
         return get_state_tree(model)
     tree = model.get_state_tree(value_format="backend_tensor")
-    return _map_leaves(tree, arrays.to_jax)
+    copy = _SAVING.get("in_background", True)
+    return _map_leaves(tree, lambda value: arrays.to_jax(value, copy=copy))
+
+
+_SAVING = {}  # "in_background": whether the save running goes on after it
+
+
+def _snapshot_if_in_background(save_checkpoint):
+    """A save in the background (`save_on_background=True`, Keras'
+    default) is handed copies of the shards, as training goes on changing
+    the variables; a save that ends before `fit` goes on is handed the
+    variables' own buffers (no copy: per process at most its shards more
+    than before, as Orbax writes them)."""
+
+    @functools.wraps(save_checkpoint)
+    def method(self, *args, **kwargs):
+        _SAVING["in_background"] = bool(self.save_on_background)
+        try:
+            return save_checkpoint(self, *args, **kwargs)
+        finally:
+            _SAVING.clear()
+
+    return method
 
 
 def _map_leaves(tree, function):
@@ -261,6 +284,24 @@ def _neutral_json(serialize_model_as_json):
     return function
 
 
+def _step_directory_too(is_orbax_checkpoint):
+    """Keras' test for an Orbax checkpoint, also true of one step's
+    directory (`<directory>/<step>`, which `load_weights` reads as such but
+    Keras' test did not recognize: "File format not supported")."""
+
+    @functools.wraps(is_orbax_checkpoint)
+    def function(filepath):
+        if is_orbax_checkpoint(filepath):
+            return True
+        try:
+            contents = set(os.listdir(filepath))
+        except (OSError, TypeError):
+            return False
+        return {"_CHECKPOINT_METADATA", "pytree"} <= contents
+
+    return function
+
+
 _INSTALLED = False
 
 
@@ -274,8 +315,14 @@ def install():
     lazy.initialize = _joined_first(lazy.initialize)
     callback = keras_internals.orbax_callback_module
     callback._get_state_tree = _state_tree(callback._get_state_tree)
+    saving = callback.OrbaxCheckpoint
+    saving._save_checkpoint = _snapshot_if_in_background(
+        saving._save_checkpoint)
     for module in keras_internals.orbax_loading_modules:
         module.build_orbax_abstract_pytree = abstract_tree
+    loading = keras_internals.saving_api
+    loading.is_orbax_checkpoint = _step_directory_too(
+        loading.is_orbax_checkpoint)
     Model = keras_internals.Model
     Model.get_state_tree = _reading_into(Model.get_state_tree)
     Model.set_state_tree = _set_matched(Model.set_state_tree)

@@ -185,3 +185,5 @@ orbax_loading_modules = modules_holding(
     "keras.src.saving.saving_api")
 orbax_lazy_module = private("keras.src.utils.module_utils:ocp")
 saving_lib = private("keras.src.saving.saving_lib")
+# `load_weights` / `load_model`'s module: its `is_orbax_checkpoint`, by name.
+saving_api = private("keras.src.saving.saving_api")

@@ -305,9 +305,22 @@ def orbax_checkpoint(distributed, folder):
     try:
         keras.distribution.set_distribution(plan)
         model = mlp()
-        fit(model, 2, callbacks=[keras.callbacks.OrbaxCheckpoint(
-            str(folder / "ckpt"), max_to_keep=2)])
+        epoch_ends = []
+        fit(model, 2, callbacks=[
+            keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs:
+                                           epoch_ends.append(numpy_weights(model))),
+            # In the background (Keras' default): written while training
+            # goes on; and one written before it goes on.
+            keras.callbacks.OrbaxCheckpoint(str(folder / "ckpt"), max_to_keep=2),
+            keras.callbacks.OrbaxCheckpoint(str(folder / "sync"), max_to_keep=2,
+                                            save_on_background=False)])
         out = _state(model, "trained")
+        for saves in ("ckpt", "sync"):  # each step holds its epoch's weights
+            for step, expected in enumerate(epoch_ends):
+                saved = mlp()
+                saved.load_weights(str(folder / saves / str(step)))
+                for got, want in zip(numpy_weights(saved), expected):
+                    np.testing.assert_array_equal(got, want, err_msg=saves)
         resumed = keras.models.load_model(str(folder / "ckpt"))
         _assert_same_state(_state(resumed, "trained"), out)  # exact
         if distributed:

@@ -165,20 +165,35 @@ def _sharded(value):
     return axes, mesh
 
 
-def to_jax(value):
+def _host_view(piece, copy):
+    """A piece this process holds, as numpy: a copy, or (`copy=False`) the
+    tensor's own buffer where the backend allows (a CPU tensor's)."""
+    if copy:
+        return keras.ops.convert_to_numpy(piece)
+    return np.asarray(keras.ops.stop_gradient(piece))
+
+
+def to_jax(value, copy=True):
     """What Orbax writes of `value`: a `jax.Array` of this process's shards
     on the mirror of its mesh (only after `join()`), or numpy where every
     process holds it whole (0-d values as Python scalars, as Keras gives
-    them)."""
+    them). With `copy=False` the shards are this process's own buffers
+    where the backend allows (CPU), nothing copied until Orbax writes: only
+    for a save that ends before the variables change again (Orbax, as JAX,
+    takes arrays for immutable; a save in the background needs a
+    snapshot)."""
     sharded = _sharded(value) if joined() else None
     if sharded is None:
-        array = keras.ops.convert_to_numpy(value)
+        if joined() and _backend().is_on_mesh(value):
+            array = _host_view(_backend().unpack(value)[0], copy)
+        else:
+            array = keras.ops.convert_to_numpy(value)
         return array.item() if array.ndim == 0 else array
     axes, mesh = sharded
     jax_mesh = _mirror(mesh)
     pieces = _backend().unpack(value)
     local = _local_positions(jax_mesh)
-    arrays = [jax.device_put(keras.ops.convert_to_numpy(piece), device)
+    arrays = [jax.device_put(_host_view(piece, copy), device)
               for piece, device in zip(pieces, local)]
     sharding = jax.sharding.NamedSharding(
         jax_mesh, jax.sharding.PartitionSpec(*axes))
