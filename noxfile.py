@@ -74,8 +74,11 @@ EXTRA = {"jax": "jax", "tensorflow": "tensorflow-cpu", "torch": "torch"}
 TORCH_PROCESSES = 4
 LAUNCHED_TEST_TIMEOUT = 300  # seconds, per test, under the launcher
 MESH_TESTS = "sharding or training"
-# The workflow matrix: its multi-process cells for JAX and TensorFlow.
+# The workflow matrix: its multi-process cells for JAX and TensorFlow,
+# with the checkpoints' own tests that need several processes (those that
+# start processes of their own, `processes`, run in the one-process run).
 MATRIX = "tests/test_workflows.py"
+CHECKPOINTS = "tests/test_checkpoints.py"
 MATRIX_PROCESSES = 2
 
 # Keras' next release, before it ships: the nightly builds replace `keras`
@@ -241,7 +244,8 @@ def _run_tests(session, backend, tests=()):
             _pytest(session, backend, *tests)
         paths = _paths(tests)
         if not paths or any(t.startswith(MATRIX) for t in paths):
-            _launched(session, backend, MATRIX_PROCESSES, MATRIX)
+            _launched(session, backend, MATRIX_PROCESSES, MATRIX, CHECKPOINTS,
+                      "-m", "not processes")
         return
     _pytest(session, "torch", "-m", f"not ({MESH_TESTS}) or processes", *tests)
     _launched(session, "torch", TORCH_PROCESSES,

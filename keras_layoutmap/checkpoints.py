@@ -25,6 +25,8 @@ import functools
 import json
 import os
 
+import numpy as np
+
 from keras_layoutmap import backends, keras_internals
 
 
@@ -302,6 +304,60 @@ def _step_directory_too(is_orbax_checkpoint):
     return function
 
 
+def check_shared(directory):
+    """Raise on every process, at once, where some process of a run of
+    several does not see `directory` as process 0 does (a path on each
+    host's own disk): Orbax's processes write their shards there and
+    process 0 commits them, so such a checkpoint would miss shards.
+    Collective. Paths with a scheme (`gs://`, `s3://`) are shared by
+    nature and not checked."""
+    backend = backends.get()
+    count = backend.process_count()
+    if count == 1 or "://" in str(directory):
+        return
+    directory = os.path.abspath(str(directory))
+    tokens = backend.gather_process_batches(
+        np.frombuffer(os.urandom(8), np.int64).reshape(1, 1))
+    token = int(tokens[0, 0]) & (2**64 - 1)  # process 0's
+    marker = os.path.join(directory, f".klm-shared-{token:016x}")
+    index = backend.process_index()
+    if index == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(marker, "w"):
+            pass
+    backend.barrier("klm_checkpoint_directory_written")
+    seen = backend.gather_process_batches(
+        np.asarray([[os.path.exists(marker)]], np.int32)).reshape(-1)
+    backend.barrier("klm_checkpoint_directory_seen")
+    if index == 0:
+        os.remove(marker)
+    blind = [i for i, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ValueError(
+            f"The checkpoint directory {directory!r} is not shared: process 0 "
+            f"wrote a file there that process(es) {blind} of {count} do not "
+            "see. Every process writes its own shards into that directory "
+            "and process 0 completes the checkpoint, so it must be one "
+            "directory for all: a shared file system (NFS, a bucket: "
+            "`gs://...`), not each host's own disk.")
+
+
+def _in_a_shared_directory(init):
+    """`OrbaxCheckpoint(directory)` checks that every process sees
+    `directory` (`check_shared`) before anything is written there."""
+
+    @functools.wraps(init)
+    def method(self, directory, *args, **kwargs):
+        # Orbax first (an ImportError without it; on TensorFlow and torch
+        # the JAX mirror, whose handshake refuses a start on some
+        # processes only, before any collective).
+        keras_internals.orbax_lazy_module.initialize()
+        check_shared(directory)
+        return init(self, directory, *args, **kwargs)
+
+    return method
+
+
 _INSTALLED = False
 
 
@@ -316,6 +372,7 @@ def install():
     callback = keras_internals.orbax_callback_module
     callback._get_state_tree = _state_tree(callback._get_state_tree)
     saving = callback.OrbaxCheckpoint
+    saving.__init__ = _in_a_shared_directory(saving.__init__)
     saving._save_checkpoint = _snapshot_if_in_background(
         saving._save_checkpoint)
     for module in keras_internals.orbax_loading_modules:

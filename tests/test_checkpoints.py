@@ -8,16 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES, TESTS
+from helpers import DEVICES, PROCESSES, TESTS
 from test_workflows import keras_model_parallel_plan
 
 import keras_layoutmap as klm
-
-pytestmark = pytest.mark.processes
 
 # A user's script, run in a fresh process: the matrix's MLP trained model
 # parallel where the backend makes 8 devices in one process (one device on
@@ -77,6 +76,7 @@ sys.exit("the training was not killed")
 '''
 
 
+@pytest.mark.processes
 def test_a_run_killed_mid_save_restores_the_last_complete_checkpoint(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
@@ -105,3 +105,17 @@ def test_a_run_killed_mid_save_restores_the_last_complete_checkpoint(tmp_path):
             keras.ops.convert_to_numpy(weight), expected[f"arr_{i}"],
             err_msg=weight.path)
     assert int(model.optimizer.iterations) == complete
+
+
+@pytest.mark.skipif(PROCESSES == 1, reason="needs several processes (the "
+                    "launcher's): one process always sees its directory")
+@pytest.mark.sharding
+def test_a_directory_some_processes_do_not_see_is_refused_on_every_process(
+        tmp_path):
+    # Each process names a folder of its own, as each host's own disk
+    # would be (one machine here).
+    own = tmp_path / f"process{klm.process_index()}" / "ckpt"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="is not shared.*process\\(es\\) "):
+        keras.callbacks.OrbaxCheckpoint(str(own))
+    assert time.monotonic() - start < 30
