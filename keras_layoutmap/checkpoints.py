@@ -24,6 +24,7 @@ whose shape differs from the variable's is refused, naming it.
 import functools
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -118,7 +119,7 @@ def abstract_tree(checkpoint_path, ref_state=None):
     arrays = _arrays()
     saved = ocp.pytree_metadata(
         checkpoint_path, checkpointable_name="pytree").metadata
-    model_name = _MODEL_NAME.get("name") or ""
+    model_name = READING.get("model_name", "")
 
     def leaf(meta, ref, path):
         if not (hasattr(meta, "shape") and hasattr(meta, "dtype")):
@@ -150,17 +151,38 @@ def abstract_tree(checkpoint_path, ref_state=None):
     return tree
 
 
-_MODEL_NAME = {}  # the model a checkpoint is being read into
+# The one context of a read: set while Keras' `load_weights` or
+# `load_model` runs; "model_name": the model read into (`_without_model_name`).
+READING = {}
+
+
+def _reading_a_checkpoint(load):
+    """Keras' loaders: within them, the state tree assigned is a
+    checkpoint's (`matched_to_model`)."""
+
+    @functools.wraps(load)
+    def function(*args, **kwargs):
+        READING.clear()
+        # load_weights(model, filepath, skip_mismatch=False): a weight the
+        # checkpoint lacks is then left as it is, as Keras does.
+        skip = kwargs.get("skip_mismatch", len(args) > 2 and args[2])
+        READING["strict"] = not skip
+        try:
+            return load(*args, **kwargs)
+        finally:
+            READING.clear()
+
+    return function
 
 
 def _reading_into(get_state_tree):
     """Keras asks the model for its state tree right before it builds what
-    Orbax reads into: remember whose it is (its name, for
-    `_without_model_name`)."""
+    Orbax reads into: remember whose it is (its name)."""
 
     @functools.wraps(get_state_tree)
     def method(self, *args, **kwargs):
-        _MODEL_NAME["name"] = self.name
+        if READING:
+            READING["model_name"] = self.name
         return get_state_tree(self, *args, **kwargs)
 
     return method
@@ -228,7 +250,7 @@ def matched_to_model(model, tree):
                     path = same[0]
             renamed[path] = value
         missing = [p for p in paths if p not in renamed]
-        if group in _CHECKED and missing:
+        if group in _CHECKED and missing and READING.get("strict", True):
             raise ValueError(
                 f"The checkpoint holds no value for {len(missing)} of the "
                 f"model's {group}: {missing[:5]}"
@@ -242,12 +264,14 @@ def matched_to_model(model, tree):
 def _set_matched(set_state_tree):
     """A state tree read from a checkpoint, assigned to the model's own
     variables (`matched_to_model`); on TensorFlow and torch, each value
-    Orbax read as a `jax.Array` made the backend's own, laid out as read."""
+    Orbax read as a `jax.Array` made the backend's own, laid out as read.
+    Any other tree, as Keras assigns it."""
 
     @functools.wraps(set_state_tree)
     def method(self, tree):
-        tree = matched_to_model(self, tree)
-        if _mirrors():
+        if READING:
+            tree = matched_to_model(self, tree)
+        if _mirrors() and "jax" in sys.modules:  # else no leaf is JAX's
             arrays = _arrays()
             tree = _map_leaves(tree, lambda leaf: arrays.from_jax(leaf)
                                if arrays.is_jax_array(leaf) else leaf)
@@ -380,6 +404,8 @@ def install():
     loading = keras_internals.saving_api
     loading.is_orbax_checkpoint = _step_directory_too(
         loading.is_orbax_checkpoint)
+    for name in ("load_weights", "_load_model_from_orbax_checkpoint"):
+        setattr(loading, name, _reading_a_checkpoint(getattr(loading, name)))
     Model = keras_internals.Model
     Model.get_state_tree = _reading_into(Model.get_state_tree)
     Model.set_state_tree = _set_matched(Model.set_state_tree)

@@ -119,3 +119,48 @@ def test_a_directory_some_processes_do_not_see_is_refused_on_every_process(
     with pytest.raises(ValueError, match="is not shared.*process\\(es\\) "):
         keras.callbacks.OrbaxCheckpoint(str(own))
     assert time.monotonic() - start < 30
+
+
+def _compiled(model):
+    model.compile("sgd", "mse")  # Keras reads a state tree of compiled ones
+    return model
+
+
+def _saved_dense(folder, units):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        units, name="d1")], name="small")
+    model.compile("sgd", "mse")
+    x = np.ones((8, 4), "float32")
+    model.fit(x, np.ones((8, units), "float32"), epochs=1, verbose=0,
+              callbacks=[keras.callbacks.OrbaxCheckpoint(
+                  str(folder), save_on_background=False)])
+    return model
+
+
+@pytest.mark.training  # every process of a run, together
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(tmp_path):
+    keras.distribution.set_distribution(None)
+    saved = _saved_dense(tmp_path / "ckpt", 3)
+    wider = _compiled(keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        5, name="d1")], name="small"))
+    with pytest.raises(ValueError, match=(
+            r"holds 'small/d1/\w+' with shape \((4, )?3,?\), "
+            r"but the model's variable has shape \((4, )?5,?\)")):
+        wider.load_weights(str(tmp_path / "ckpt"))
+    renamed = _compiled(keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, name="other")], name="small"))
+    with pytest.raises(ValueError, match=r"no value for 2 .*other/kernel"):
+        renamed.load_weights(str(tmp_path / "ckpt"))
+    # Keras' own leave-as-is, when asked for.
+    renamed.load_weights(str(tmp_path / "ckpt"), skip_mismatch=True)
+    # Outside a read, a partial tree is Keras' to assign, as before.
+    same = _compiled(keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, name="d1")], name="small"))
+    same.load_weights(str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(same.weights[0]),
+                                  keras.ops.convert_to_numpy(saved.weights[0]))
+    same.set_state_tree({"trainable_variables": {"small": {"d1": {
+        "bias": np.zeros(3, "float32")}}}})
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(same.weights[1]),
+                                  np.zeros(3, "float32"))
