@@ -341,7 +341,7 @@ def check_shared(directory):
         return
     directory = os.path.abspath(str(directory))
     tokens = backend.gather_process_batches(
-        np.frombuffer(os.urandom(8), np.int64).reshape(1, 1))
+        np.frombuffer(os.urandom(8), np.int64).reshape(1, 1).copy())
     token = int(tokens[0, 0]) & (2**64 - 1)  # process 0's
     marker = os.path.join(directory, f".klm-shared-{token:016x}")
     index = backend.process_index()
