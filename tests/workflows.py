@@ -88,10 +88,14 @@ WORKFLOWS = (
     Workflow("orbax-checkpoint",
              "Keras' `OrbaxCheckpoint` in `fit` under the guide's "
              "`ModelParallel` (each process writes only its own shards), "
-             "then `keras.models.load_model(directory)`: weights, Adam's "
-             "moments and step count exact, the kernel laid out as the plan "
-             "says; resumed with `fit(initial_epoch=2)`, equal to the run "
-             "never stopped; read again under `DataParallel`."),
+             "saving in the background (Keras' default): each epoch's step, "
+             "read with `load_weights(<directory>/<step>)`, holds that "
+             "epoch's weights; `keras.models.load_model(directory)`: "
+             "weights, Adam's moments and step count exact, the kernel "
+             "laid out as the plan says; resumed with "
+             "`fit(initial_epoch=2)` (saving before training goes on, "
+             "`save_best_only` on the loss), equal to the run never "
+             "stopped; read again under `DataParallel`."),
     Workflow("orbax-other-backends",
              "`load_model` under the guide's `ModelParallel` of the "
              "checkpoints `OrbaxCheckpoint` wrote under JAX (2 processes), "
