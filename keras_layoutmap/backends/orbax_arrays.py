@@ -61,6 +61,16 @@ def _share(record, size=1 << 16):
     return [json.loads(bytes(r[r != 0]).decode()) for r in rows]
 
 
+def _cpu_only():
+    """JAX on the CPU only, in a TensorFlow or torch process that reads a
+    checkpoint: else a JAX built for GPUs would take most of their memory
+    from the backend. (Already started: as it started.)"""
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        pass
+
+
 def joined():
     """Whether this process mirrors a run of several processes in JAX."""
     return "devices" in _WORLD
@@ -210,6 +220,8 @@ def abstract(shape, dtype, target):
                                     sharding=target.sharding)
     sharded = _sharded(target) if joined() and target is not None else None
     if sharded is None:
+        if keras.backend.backend() != "jax":
+            _cpu_only()
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     else:
         axes, mesh = sharded
