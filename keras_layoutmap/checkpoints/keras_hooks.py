@@ -38,8 +38,10 @@ def install():
     loading = keras_internals.saving_api
     loading.is_orbax_checkpoint = _step_directory_too(
         loading.is_orbax_checkpoint)
-    for name in ("load_weights", "_load_model_from_orbax_checkpoint"):
-        setattr(loading, name, _reading_a_checkpoint(getattr(loading, name)))
+    loading.load_weights = _reading_a_checkpoint(
+        loading.load_weights, skip_mismatch_at=2)
+    loading._load_model_from_orbax_checkpoint = _reading_a_checkpoint(
+        loading._load_model_from_orbax_checkpoint)
     Model = keras_internals.Model
     Model.get_state_tree = _reading_into(Model.get_state_tree)
     Model.set_state_tree = _set_matched(Model.set_state_tree)

@@ -64,16 +64,19 @@ def abstract_tree(checkpoint_path, ref_state=None):
 READING = {}
 
 
-def _reading_a_checkpoint(load):
+def _reading_a_checkpoint(load, skip_mismatch_at=None):
     """Keras' loaders: within them, the state tree assigned is a
-    checkpoint's (`matched_to_model`)."""
+    checkpoint's (`matched_to_model`). `skip_mismatch_at`: the position of
+    the loader's `skip_mismatch` argument (`load_weights(model, filepath,
+    skip_mismatch=False)`), which leaves a weight the checkpoint lacks as
+    it is, as Keras does."""
 
     @functools.wraps(load)
     def function(*args, **kwargs):
         READING.clear()
-        # load_weights(model, filepath, skip_mismatch=False): a weight the
-        # checkpoint lacks is then left as it is, as Keras does.
-        skip = kwargs.get("skip_mismatch", len(args) > 2 and args[2])
+        skip = kwargs.get("skip_mismatch", False)
+        if skip_mismatch_at is not None and len(args) > skip_mismatch_at:
+            skip = args[skip_mismatch_at]
         READING["strict"] = not skip
         try:
             return load(*args, **kwargs)
