@@ -284,6 +284,19 @@ def assert_same_weights(weights, reference, rtol=1e-5, atol=2e-6):
 # -- fresh processes ----------------------------------------------------------
 
 
+def run_script(script, *args, timeout=240):
+    """`python script ARGS...` in a fresh process, as a user runs a script,
+    importing the same keras_layoutmap as this process does, and helpers
+    (both on its PYTHONPATH); its output captured as text."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [root, TESTS, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(script), *map(str, args)],
+                          env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def launch(n, *args, timeout=300, **kwargs):
     """`python -m keras_layoutmap.launch -n n ARGS...`, its output captured
     as text; `kwargs` go to `subprocess.run`."""

@@ -6,14 +6,12 @@ and processes: the matrix's rows `orbax-checkpoint` and
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES, PROCESSES, TESTS
+from helpers import DEVICES, PROCESSES, run_script
 from test_workflows import keras_model_parallel_plan
 
 import keras_layoutmap as klm
@@ -80,12 +78,7 @@ sys.exit("the training was not killed")
 def test_a_run_killed_mid_save_restores_the_last_complete_checkpoint(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [root, TESTS, os.environ.get("PYTHONPATH")])))
-    killed = subprocess.run([sys.executable, str(script), str(tmp_path)],
-                            env=env, capture_output=True, text=True,
-                            timeout=240)
+    killed = run_script(script, tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     saved = sorted(os.listdir(tmp_path / "ckpt"))
     # Killed while step 5 was being written: it never completed.

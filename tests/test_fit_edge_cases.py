@@ -6,17 +6,13 @@ loss that looks across the batch, batches of varying size from a Python
 generator, and mixed precision."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 from helpers import (
     FIT_PLANS,
-    TESTS,
     assert_same_history,
     assert_same_weights,
     digits_data,
@@ -24,6 +20,7 @@ from helpers import (
     dp_mesh,
     mp_mesh,
     net_layout_map,
+    run_script,
 )
 
 import keras_layoutmap as klm
@@ -85,7 +82,7 @@ def assert_same(model, ref_weights, history=None, ref_history=None, rtol=1e-5,
 
 # Run in a fresh process, as a user's script would: KERAS_BACKEND comes from
 # the environment and configure_virtual_devices is the first call. (The
-# model and its rules from helpers, on its PYTHONPATH: `_run`.)
+# model and its rules from helpers, on its PYTHONPATH: `helpers.run_script`.)
 _SCRIPT = r'''
 import os, signal, sys
 import keras_layoutmap as klm
@@ -155,16 +152,6 @@ np.savez(os.path.join(workdir, "out.npz"), **out)
 '''
 
 
-def _run(script, *args, timeout=240):
-    # Import the same keras_layoutmap as this process does, and helpers.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(klm.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [root, TESTS, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.processes
 @pytest.mark.skipif(
     backends.name() == "torch",
@@ -175,12 +162,12 @@ def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
     np.savez(tmp_path / "data.npz", x=x, y=y)
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    killed = _run(script, "kill", tmp_path)
+    killed = run_script(script, "kill", tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     for kind in DISTRIBUTIONS:
         metadata = json.loads((tmp_path / kind / "training_metadata.json").read_text())
         assert metadata["epoch"] == 2, (kind, metadata)  # stopped in the 3rd epoch
-    resumed = _run(script, "resume", tmp_path)
+    resumed = run_script(script, "resume", tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
     assert out["uninterrupted_epochs"] == 4
