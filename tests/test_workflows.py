@@ -274,9 +274,11 @@ class _nothing:
 # -- sharded checkpoints (Keras' OrbaxCheckpoint) --------------------------------
 
 
-def _state(model, prefix):
-    out = {f"{prefix}{i}": w for i, w in enumerate(numpy_weights(model))}
-    out.update({f"{prefix}_opt{i}": keras.ops.convert_to_numpy(v)
+def model_state(model, prefix=""):
+    """`model`'s weights (`w0`, ...) and optimizer variables (`opt0`, ...)
+    as numpy, each key after `prefix`."""
+    out = {f"{prefix}w{i}": w for i, w in enumerate(numpy_weights(model))}
+    out.update({f"{prefix}opt{i}": keras.ops.convert_to_numpy(v)
                 for i, v in enumerate(model.optimizer.variables)})
     return out
 
@@ -321,11 +323,11 @@ def orbax_checkpoint(distributed, folder):
             # goes on. (One callback a fit: two Orbax checkpointers saving
             # at once across processes collide in Orbax's own barriers.)
             keras.callbacks.OrbaxCheckpoint(str(folder / "ckpt"), max_to_keep=2)])
-        out = _state(model, "trained")
+        out = model_state(model, "trained/")
         for step, expected in enumerate(epoch_ends):  # each epoch's weights
             _assert_loads(folder / "ckpt" / str(step), expected)
         resumed = keras.models.load_model(str(folder / "ckpt"))
-        _assert_same_state(_state(resumed, "trained"), out)  # exact
+        _assert_same_state(model_state(resumed, "trained/"), out)  # exact
         if distributed:
             kernel = resumed.get_layer("d1").kernel
             assert tuple(klm.fetch_layout(kernel).axes) == (None, "model")
@@ -337,12 +339,12 @@ def orbax_checkpoint(distributed, folder):
                 str(folder / "sync"), save_on_background=False,
                 save_best_only=True, monitor="loss")])
         fit(model, 3, initial_epoch=2)
-        out.update(_state(resumed, "resumed"))
-        _assert_same_state(_state(model, "resumed"), _state(resumed, "resumed"))
+        out.update(model_state(resumed, "resumed/"))
+        _assert_same_state(out, model_state(model, "resumed/"))
         _assert_loads(folder / "sync" / "2", numpy_weights(resumed))
         keras.distribution.set_distribution(other)  # another plan reads it
-        out.update(_state(keras.models.load_model(str(folder / "ckpt")),
-                          "read"))
+        out.update(model_state(keras.models.load_model(str(folder / "ckpt")),
+                               "read/"))
         return out
     finally:
         keras.distribution.set_distribution(None)
@@ -362,9 +364,7 @@ def orbax_other_backends(distributed, folder):
         finally:
             keras.distribution.set_distribution(None)
         expected = np.load(saved.with_suffix(".npz"))
-        state = {f"w{i}": w for i, w in enumerate(numpy_weights(model))}
-        state.update({f"opt{i}": keras.ops.convert_to_numpy(v)
-                      for i, v in enumerate(model.optimizer.variables)})
+        state = model_state(model)
         _assert_same_state(state, expected)
         out.update({f"{saved.name}/{k}": v for k, v in state.items()})
     assert len(out) > 0, f"no checkpoints in {ORBAX_FIXTURES}"

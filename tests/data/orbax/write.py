@@ -27,7 +27,7 @@ klm.configure_virtual_devices(4 if keras.backend.backend() == "torch" else 8)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from helpers import digits_data  # noqa: E402
-from test_workflows import keras_model_parallel_plan, mlp  # noqa: E402
+from test_workflows import keras_model_parallel_plan, mlp, model_state  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -42,10 +42,7 @@ def main():
     x, y = digits_data(300)
     model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0,
               callbacks=[keras.callbacks.OrbaxCheckpoint(str(folder))])
-    values = {f"w{i}": keras.ops.convert_to_numpy(w)
-              for i, w in enumerate(model.weights)}
-    values.update({f"opt{i}": keras.ops.convert_to_numpy(v)
-                   for i, v in enumerate(model.optimizer.variables)})
+    values = model_state(model)
     if klm.process_index() == 0:
         np.savez(HERE / f"{name}.npz", **values)
     print("wrote", folder)
