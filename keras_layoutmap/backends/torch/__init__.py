@@ -16,6 +16,7 @@ from keras_layoutmap.backends.torch import (
     attention,
     cache_updates,
     convolution,
+    einsums,
     gradients,
     keras_distribution,
     local_step,
@@ -122,6 +123,7 @@ def install():
     keras_torch.core.slice_update = cache_updates.wrap_slice_update(
         keras_torch.core.slice_update)
     keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)
+    keras_torch.numpy.einsum = einsums.wrap_einsum(keras_torch.numpy.einsum)
     keras_torch.nn.dot_product_attention = (
         attention.wrap_dot_product_attention(
             keras_torch.nn.dot_product_attention))

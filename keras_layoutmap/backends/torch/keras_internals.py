@@ -41,6 +41,7 @@ NN_FUNCTIONS = ("dot_product_attention", "conv", "depthwise_conv",
 for _name in NN_FUNCTIONS:
     private(f"{nn.__name__}:{_name}")
 private(f"{numpy.__name__}:take")
+private(f"{numpy.__name__}:einsum")
 
 random = private("keras.src.backend.torch.random")
 torch_seed_generator = private("keras.src.backend.torch.random:torch_seed_generator")
