@@ -102,13 +102,12 @@ KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
               "keras-hub-nightly==0.33.0.dev202610250352"]
 
 
-# pip compiles every module it installs to bytecode, about half of an
-# install's time (jax and the test extra in a fresh virtualenv: 53 s, 26 s
-# with --no-compile; 2026-11-26). Python compiles the modules a test imports
-# on their first import and keeps them in the virtualenv.
-NO_COMPILE = "--no-compile"
-
-
+# pip writes every installed module's bytecode (about half of an install's
+# time), and must: this machine sets PYTHONDONTWRITEBYTECODE=1, so without
+# it every process (each xdist worker, launched process and script a test
+# starts) would compile each module it imports from source. With pip's
+# --no-compile (2026-11-26) installing took 36 s less a session and JAX's
+# one-process run 9 min 58 s in place of 6 min 43 s.
 def _install(session, backend, keras_next=False):
     """The package with `backend`'s extra (tensorflow-cpu for TensorFlow;
     the pinned CPU torch first, which the `torch` extra's range keeps), then
@@ -119,13 +118,13 @@ def _install(session, backend, keras_next=False):
     # keras-hub, which pip would install over them).
     _uninstall_keras(session, "keras-nightly", "keras-hub-nightly")
     if backend == "torch":
-        session.install(NO_COMPILE, TORCH)
-    session.install(NO_COMPILE, "-e", f".[{EXTRA[backend]},test]")
-    session.install(NO_COMPILE, *KERAS_HUB_DEPS)
+        session.install(TORCH)
+    session.install("-e", f".[{EXTRA[backend]},test]")
+    session.install(*KERAS_HUB_DEPS)
     if keras_next:
         _to_keras_next(session)
     else:
-        session.install(NO_COMPILE, *KERAS_HUB)
+        session.install(*KERAS_HUB)
 
 
 def _uninstall_keras(session, *distributions):
@@ -139,7 +138,7 @@ def _to_keras_next(session):
     the backend and the rest stay installed."""
     _uninstall_keras(session, "keras", "keras-hub", "keras-nightly",
                      "keras-hub-nightly")
-    session.install(NO_COMPILE, "--no-deps", *KERAS_NEXT)
+    session.install("--no-deps", *KERAS_NEXT)
 
 
 # Compiling is most of a test's time on a CPU. The test runs compile as
