@@ -29,8 +29,9 @@ splits the output gets a partial gradient there (`to_local`'s
 `grad_placements`).
 
 An operand that is a partial sum is reduced first. Equations this plan
-does not cover (an ellipsis, a letter repeated in one operand) and
-operands with a strided placement (a reshape's) go to DTensor's own rules.
+does not cover (an ellipsis, a letter repeated in one operand, a letter of
+size 1 in one operand broadcast against another) and operands with a
+strided placement (a reshape's) go to DTensor's own rules.
 """
 
 import functools
@@ -169,6 +170,12 @@ def wrap_einsum(original):
         split = [_letters(x, term) for x, term in zip(operands, inputs)]
         if any(s is None for s in split):
             return original(subscripts, *operands, **kwargs)
+        sizes = {}
+        for x, term in zip(operands, inputs):
+            for c, n in zip(term, x.shape):
+                if sizes.setdefault(c, n) != n:  # a broadcast letter (size 1)
+                    return original(subscripts, *operands, **kwargs)
+        shape = tuple(sizes[c] for c in output)
         targets, grads, result = plan(inputs, output, split)
         pieces = [
             _ContiguousGradient.apply(local_piece(
@@ -176,9 +183,6 @@ def wrap_einsum(original):
                 grad_placements=_placements(grad, term)))
             for x, term, target, grad in zip(operands, inputs, targets, grads)]
         out = original(subscripts, *pieces, **kwargs)
-        sizes = {c: n for x, term in zip(operands, inputs)
-                 for c, n in zip(term, x.shape)}
-        shape = tuple(sizes[c] for c in output)
         return DTensor.from_local(
             out.contiguous(), mesh, _placements(result, output),
             run_check=False, shape=shape, stride=contiguous_stride(shape))
