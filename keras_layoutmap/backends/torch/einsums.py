@@ -44,6 +44,7 @@ from keras_layoutmap.backends.torch.placement import (
     as_dtensor,
     contiguous_stride,
     local_piece,
+    sums_taken,
 )
 
 PARTIAL = "partial"  # plan(): the output is a partial sum over that axis
@@ -124,15 +125,6 @@ def _letters(x, term):
     return out
 
 
-def _summed(x):
-    """`x` with its partial sums reduced (as DTensor's own rules would
-    before an einsum): the output of a row-parallel einsum is partial."""
-    if not any(isinstance(p, Partial) for p in x.placements):
-        return x
-    return x.redistribute(x.device_mesh, [
-        Replicate() if isinstance(p, Partial) else p for p in x.placements])
-
-
 def _placements(letters, term):
     return [Shard(term.index(c)) if c not in (None, PARTIAL)
             else Partial() if c == PARTIAL else Replicate() for c in letters]
@@ -166,7 +158,9 @@ def wrap_einsum(original):
             return original(subscripts, *operands, **kwargs)
         inputs, output = parsed
         mesh = meshes.pop()
-        operands = [_summed(as_dtensor(x, mesh)) for x in operands]
+        # partial sums (a row-parallel einsum's output) taken first, as
+        # DTensor's own rules would
+        operands = [sums_taken(as_dtensor(x, mesh)) for x in operands]
         split = [_letters(x, term) for x, term in zip(operands, inputs)]
         if any(s is None for s in split):
             return original(subscripts, *operands, **kwargs)

@@ -11,16 +11,11 @@ process's local copies (`local_pieces.apply_locally`).
 
 import functools
 
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 
 from keras_layoutmap.backends.torch import local_pieces, local_step
-from keras_layoutmap.backends.torch.placement import to_layout
+from keras_layoutmap.backends.torch.placement import summed, to_layout
 from keras_layoutmap.layout import as_layout
-
-
-def summed(placements):
-    """`placements` with every pending sum (`Partial`) taken."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _sum_in_one(grads):

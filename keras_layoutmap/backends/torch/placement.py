@@ -132,6 +132,20 @@ def as_dtensor(x, device_mesh):
                               run_check=False)
 
 
+def summed(placements):
+    """`placements` with every pending sum (`Partial`) taken."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def sums_taken(x):
+    """The DTensor `x` with its pending sums taken (a row-split einsum or
+    last layer leaves `Partial` placements); `x` itself if it has none."""
+    places = summed(x.placements)
+    if places == tuple(x.placements):
+        return x
+    return x.redistribute(x.device_mesh, places)
+
+
 def local_piece(x, places, grad_placements=None):
     """This process's piece of the DTensor `x` laid out as `places`
     (redistributed first if it is not); `grad_placements` as in

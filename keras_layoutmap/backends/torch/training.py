@@ -19,7 +19,7 @@ import weakref
 
 from keras import distribution as keras_distribution
 from keras import tree
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
 from keras_layoutmap.backends.torch import (
     local_pieces,
@@ -27,12 +27,12 @@ from keras_layoutmap.backends.torch import (
     local_step_conditions,
     processes,
 )
-from keras_layoutmap.backends.torch.gradients import summed
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     describe_mesh,
     local_slices,
     placements,
+    sums_taken,
     to_device_mesh,
     to_host,
     to_layout,
@@ -58,9 +58,7 @@ _IN_STEP = [False]  # set while a step made by wrap_make_function runs
 def _reduced(x):
     """A model's output with its pending sums taken (a row-sharded last
     layer leaves `Partial` placements): a value, as on JAX and TF."""
-    if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
-        return x.redistribute(x.device_mesh, summed(x.placements))
-    return x
+    return sums_taken(x) if isinstance(x, DTensor) else x
 
 
 def wrap_model_call(original):
