@@ -36,8 +36,8 @@ def test_first_snippet_sets_the_backend_before_keras():
 @pytest.mark.processes
 @pytest.mark.training
 def test_first_snippet_runs_as_pasted(tmp_path):
-    """On torch its 8 devices are 8 processes: the same file under
-    `python -m keras_layoutmap.launch -n 8`, as docs/torch.md says."""
+    """On torch its 4 devices are 4 processes: the same file under
+    `python -m keras_layoutmap.launch -n 4`, as docs/torch.md says."""
     pytest.importorskip("sklearn", reason="the snippet loads scikit-learn's "
                         "digits; install the test extra")
     # The snippet as pasted, then checks that it trained and placed.
@@ -53,7 +53,7 @@ def test_first_snippet_runs_as_pasted(tmp_path):
                COLUMNS="160")
     command = [sys.executable, str(script)]
     if backends.name() == "torch":
-        command[1:1] = ["-m", "keras_layoutmap.launch", "-n", "8"]
+        command[1:1] = ["-m", "keras_layoutmap.launch", "-n", "4"]
         env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(command, env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
