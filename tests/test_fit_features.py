@@ -1,6 +1,7 @@
 """`model.fit` features on a mesh, each checked against one device: weight
 regularization, Python generators, spatial (feature-dim) sharding, and the
-ModelCheckpoint, BackupAndRestore and EarlyStopping callbacks."""
+ModelCheckpoint and EarlyStopping callbacks. BackupAndRestore, interrupted
+and resumed, is the workflow matrix's `callbacks` row (every cell)."""
 
 import keras
 import numpy as np
@@ -174,31 +175,6 @@ def test_model_checkpoint_saves_weights_that_load_anywhere(tmp_path, digits):
     loaded = keras.saving.load_model(full)
     np.testing.assert_allclose(loaded.predict(x[:32], verbose=0),
                                model.predict(x[:32], verbose=0), rtol=1e-5, atol=1e-6)
-
-
-class _Interrupt(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
-
-
-def test_backup_and_restore_resumes_training(tmp_path, digits):
-    x, y = digits
-    reference = build()
-    reference.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
-    mesh = dp_mesh()
-    with klm.DataParallel(mesh).scope():
-        model = build()
-    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    with pytest.raises(RuntimeError, match="interrupted"):
-        model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
-                  callbacks=[backup, _Interrupt()])
-    # A new process would rebuild the model; reuse this one, with the
-    # weights it had when interrupted (after epoch 2), and resume.
-    history = model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
-                        callbacks=[backup])
-    assert len(history.history["loss"]) == 2  # epochs 3 and 4 only
-    assert_same(model, reference)
 
 
 def test_early_stopping_restores_best_weights(digits):

@@ -56,10 +56,9 @@ reference = train(build(), x, y, BATCH)
 mesh_mp = klm.create_mesh([("model", 2), ("batch", 4)])
 layout_map = net_layout_map(mesh_mp, bias=False)
 runs = {}
+# (Data parallel across processes, global data: the workflow matrix's
+# keras-data-parallel row, in its 2-process cells.)
 dp = klm.DataParallel(klm.create_mesh([("batch", 8)]))
-klm.set_distribution(dp)
-runs["data_parallel"] = train(build(), x, y, BATCH)
-klm.set_distribution(None)
 with layout_map.scope():
     model_parallel = build()
 runs["model_parallel"] = train(model_parallel, x, y, BATCH)
