@@ -110,17 +110,17 @@ KERAS_NEXT = ["keras-nightly==3.16.0.dev2026102704",
 # one-process run 9 min 58 s in place of 6 min 43 s.
 def _install(session, backend, keras_next=False):
     """The package with `backend`'s extra (tensorflow-cpu for TensorFlow;
-    the pinned CPU torch first, which the `torch` extra's range keeps), then
-    keras-hub, or keras-nightly and keras-hub-nightly in their place."""
+    for torch the pinned CPU build, in the same resolve, which the `torch`
+    extra's range keeps), then keras-hub, or keras-nightly and
+    keras-hub-nightly in their place."""
     _check_python(session)
     # A virtualenv a `tests-<backend>` session left on keras-nightly: the
     # nightlies go first (they provide the same packages as keras and
     # keras-hub, which pip would install over them).
     _uninstall_keras(session, "keras-nightly", "keras-hub-nightly")
-    if backend == "torch":
-        session.install(TORCH)
-    session.install("-e", f".[{EXTRA[backend]},test]")
-    session.install(*KERAS_HUB_DEPS)
+    # One resolve for all of it (each pip call costs seconds of its own).
+    session.install(*([TORCH] if backend == "torch" else []),
+                    "-e", f".[{EXTRA[backend]},test]", *KERAS_HUB_DEPS)
     if keras_next:
         _to_keras_next(session)
     else:
@@ -162,6 +162,13 @@ def _to_keras_next(session):
 #   among them), the README's snippet, the launcher's and the schedulers'
 #   jobs, test_processes.py's worker that trains data and model parallel
 #   across 2 processes.
+# - TensorFlow, every run and the processes its tests start: one thread
+#   for TensorFlow's inter-op and one for its intra-op pool. The tests'
+#   tensors are tiny, and 2 pytest workers (or 2 launched processes) share
+#   2 cores: threads only wait for each other there. Measured 2026-11-27,
+#   side by side: the matrix's 2-process run 102-104 s against 111 s, three
+#   files in one process 109 s against 119 s. What is computed is the same
+#   (the one-device numbers come from the same process, alike).
 # - JAX, every run of a session: XLA's programs kept on disk
 #   (`JAX_COMPILATION_CACHE_DIR`, JAX's persistent compilation cache, in
 #   the session's tmp folder): a program compiled again (a one-device
@@ -169,7 +176,9 @@ def _to_keras_next(session):
 #   is the same) is read back, not compiled. The key is the program, its
 #   options and XLA's flags: what is read is what compiling would give.
 FAST = {"jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
-        "tensorflow": {"KLM_TEST_FAST_GRAPHS": "1"}}
+        "tensorflow": {"KLM_TEST_FAST_GRAPHS": "1",
+                       "TF_NUM_INTEROP_THREADS": "1",
+                       "TF_NUM_INTRAOP_THREADS": "1"}}
 EXACT_COMPILE = "tests/test_born_sharded.py"
 
 
