@@ -1,6 +1,5 @@
-"""`ops.einsum` and a Dense layer's `ops.matmul` on DTensors
-(`backends/torch/einsums.py`): the plan read from the equation's letters,
-then each process's einsum (or matmul) of its pieces.
+"""`ops.einsum` on DTensors (`backends/torch/einsums.py`): the plan read
+from the equation's letters, then each process's einsum of its pieces.
 The plan's own tests need no mesh; the computations run under `python -m
 keras_layoutmap.launch -n 4 -m pytest` (nox -s tests-torch) on a (batch 2,
 model 2) mesh, each output and gradient compared with torch's einsum of
@@ -68,13 +67,6 @@ def test_the_letter_most_operands_split_wins():
     assert result == ["k"]
 
 
-def test_a_matmul_by_a_kernel_is_the_einsum_of_its_letters():
-    e = einsums()
-    assert e.matmul_letters(2) == (["ay", "yz"], "az")
-    assert e.matmul_letters(4) == (["abcy", "yz"], "abcz")
-    assert e.matmul_letters(1) is None  # a vector: DTensor's own rule
-
-
 def test_nothing_split_leaves_every_operand_whole():
     assert einsums().plan(["ij", "jk"], "ik", [[None, None], [None, None]]) == (
         [[None, None], [None, None]], [[None, None], [None, None]],
@@ -108,27 +100,9 @@ def _describe(place):
     return "P" if isinstance(place, Partial) else "R"
 
 
-# `ops.matmul(x, kernel)`: as CASES, the equation naming the operands'
-# letters (the matmul's own, `matmul_letters`).
-MATMULS = {
-    "column-parallel": ("ay,yz->az", [(6, 4), (4, 6)], [("a", None), (None, "z")],
-                        ["S0", "S1"]),
-    "row-parallel": ("aby,yz->abz", [(4, 3, 6), (6, 5)], [("a", "y"), (None, "y")],
-                     ["S0", "P"]),
-    # FSDP: the kernel's rows over the batch axis too, gathered for the
-    # product, its gradient a partial sum there
-    "fsdp": ("ay,yz->az", [(4, 6), (6, 2)], [("a", None), ("y", None)],
-             ["S0", "R"]),
-    # a batched matmul (a 3-D right operand): DTensor's own rule
-    "batched": ("bij,bjk->bik", [(4, 3, 2), (4, 2, 5)], [("b", None), ("b", None)],
-                ["S0", "R"]),
-}
-
-
 @pytest.mark.sharding
 @pytest.mark.training
-@pytest.mark.parametrize("case", sorted(CASES) + [
-    f"matmul-{name}" for name in sorted(MATMULS)])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_einsum_and_its_gradients_equal_the_whole_tensors(case):
     import keras
     import torch
@@ -136,9 +110,7 @@ def test_einsum_and_its_gradients_equal_the_whole_tensors(case):
 
     from keras_layoutmap.backends.torch.placement import to_device_mesh
 
-    matmul = case.startswith("matmul-")
-    subscripts, shapes, splits, expected = (
-        MATMULS[case[len("matmul-"):]] if matmul else CASES[case])
+    subscripts, shapes, splits, expected = CASES[case]
     mesh = to_device_mesh(mp_mesh())
     terms = subscripts.split("->")[0].split(",")
     rng = np.random.default_rng(0)
@@ -152,8 +124,7 @@ def test_einsum_and_its_gradients_equal_the_whole_tensors(case):
         places = [Shard(term.index(c)) if c else Replicate() for c in split]
         operands.append(distribute_tensor(whole.clone(), mesh, places)
                         .requires_grad_())
-    out = (keras.ops.matmul(*operands) if matmul
-           else keras.ops.einsum(subscripts, *operands))
+    out = keras.ops.einsum(subscripts, *operands)
     assert [_describe(p) for p in out.placements] == expected
     weights = torch.tensor(rng.normal(size=out.shape), dtype=torch.float32)
     (out.full_tensor() * weights).sum().backward()

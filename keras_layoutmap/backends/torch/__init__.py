@@ -124,7 +124,6 @@ def install():
         keras_torch.core.slice_update)
     keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)
     keras_torch.numpy.einsum = einsums.wrap_einsum(keras_torch.numpy.einsum)
-    keras_torch.numpy.matmul = einsums.wrap_matmul(keras_torch.numpy.matmul)
     keras_torch.nn.dot_product_attention = (
         attention.wrap_dot_product_attention(
             keras_torch.nn.dot_product_attention))

@@ -1,5 +1,5 @@
-"""`ops.einsum` and a Dense layer's `ops.matmul` on DTensors, planned from
-the equation's letters and computed per process.
+"""`ops.einsum` on DTensors, planned from its letters and computed per
+process.
 
 torch 2.13's DTensor runs an einsum as its decomposition: permutes,
 reshapes that merge dimensions, then `bmm`. Where a merged dimension is
@@ -145,89 +145,40 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _on_one_mesh(operands):
-    """`operands` (one of them a DTensor) as DTensors of its mesh, partial
-    sums (a row-parallel product's output) taken first as DTensor's own
-    rules would; None where they span several meshes."""
-    meshes = {x.device_mesh for x in operands if isinstance(x, DTensor)}
-    if len(meshes) != 1:
-        return None
-    mesh = meshes.pop()
-    return [sums_taken(as_dtensor(x, mesh)) for x in operands]
-
-
-def _planned(inputs, output, operands, compute):
-    """`compute(*pieces)` of each process's pieces of `operands` (DTensors
-    of one mesh) as the plan of the equation `inputs -> output` says, as
-    the output's DTensor; None where the plan does not apply (a strided
-    placement, a letter broadcast from size 1)."""
-    split = [_letters(x, term) for x, term in zip(operands, inputs)]
-    if any(s is None for s in split):
-        return None
-    sizes = {}
-    for x, term in zip(operands, inputs):
-        for c, n in zip(term, x.shape):
-            if sizes.setdefault(c, n) != n:  # a broadcast letter (size 1)
-                return None
-    shape = tuple(sizes[c] for c in output)
-    targets, grads, result = plan(inputs, output, split)
-    pieces = [
-        _ContiguousGradient.apply(local_piece(
-            x, _placements(target, term),
-            grad_placements=_placements(grad, term)))
-        for x, term, target, grad in zip(operands, inputs, targets, grads)]
-    out = compute(*pieces)
-    return DTensor.from_local(
-        out.contiguous(), operands[0].device_mesh, _placements(result, output),
-        run_check=False, shape=shape, stride=contiguous_stride(shape))
-
-
 def wrap_einsum(original):
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
         # variables (EinsumDense's kernel) as their values, as Keras' does
         operands = [convert_to_tensor(x) for x in operands]
-        parsed = parse(subscripts, [x.ndim for x in operands])
-        on_mesh = _on_one_mesh(operands) if parsed is not None else None
-        if on_mesh is None:
+        meshes = {x.device_mesh for x in operands if isinstance(x, DTensor)}
+        if len(meshes) != 1:
             return original(subscripts, *operands, **kwargs)
-        out = _planned(*parsed, on_mesh, lambda *pieces: original(
-            subscripts, *pieces, **kwargs))
-        return original(subscripts, *on_mesh, **kwargs) if out is None else out
+        parsed = parse(subscripts, [x.ndim for x in operands])
+        if parsed is None:
+            return original(subscripts, *operands, **kwargs)
+        inputs, output = parsed
+        mesh = meshes.pop()
+        # partial sums (a row-parallel einsum's output) taken first, as
+        # DTensor's own rules would
+        operands = [sums_taken(as_dtensor(x, mesh)) for x in operands]
+        split = [_letters(x, term) for x, term in zip(operands, inputs)]
+        if any(s is None for s in split):
+            return original(subscripts, *operands, **kwargs)
+        sizes = {}
+        for x, term in zip(operands, inputs):
+            for c, n in zip(term, x.shape):
+                if sizes.setdefault(c, n) != n:  # a broadcast letter (size 1)
+                    return original(subscripts, *operands, **kwargs)
+        shape = tuple(sizes[c] for c in output)
+        targets, grads, result = plan(inputs, output, split)
+        pieces = [
+            _ContiguousGradient.apply(local_piece(
+                x, _placements(target, term),
+                grad_placements=_placements(grad, term)))
+            for x, term, target, grad in zip(operands, inputs, targets, grads)]
+        out = original(subscripts, *pieces, **kwargs)
+        return DTensor.from_local(
+            out.contiguous(), mesh, _placements(result, output),
+            run_check=False, shape=shape, stride=contiguous_stride(shape))
 
     return einsum
-
-
-_LEADING = "abcdefghijklmnopqrstuvwx"  # a matmul's leading dimensions
-
-
-def matmul_letters(ndim):
-    """`ops.matmul` of a rank-`ndim` input by a 2-D kernel as an einsum's
-    letters, `(inputs, output)` (a Dense layer's product), or None where
-    the input's rank is not at least 2.
-
-    >>> matmul_letters(3)
-    (['aby', 'yz'], 'abz')
-    """
-    if not 2 <= ndim <= len(_LEADING) + 1:
-        return None
-    leading = _LEADING[:ndim - 1]
-    return [leading + "y", "yz"], leading + "z"
-
-
-def wrap_matmul(original):
-    """`ops.matmul(x, kernel)` of a 2-D kernel, planned as its einsum is
-    (`matmul_letters`), each process's pieces multiplied by Keras' own
-    kernel (its dtype rules: int8 by int8 into int32); any other matmul
-    (a batched one, a vector) goes to DTensor's own rules."""
-    @functools.wraps(original)
-    def matmul(x1, x2):
-        x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
-        letters = matmul_letters(x1.ndim) if x2.ndim == 2 else None
-        on_mesh = _on_one_mesh([x1, x2]) if letters is not None else None
-        if on_mesh is None:
-            return original(x1, x2)
-        out = _planned(*letters, on_mesh, original)
-        return original(*on_mesh) if out is None else out
-
-    return matmul

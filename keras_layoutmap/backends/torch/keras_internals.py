@@ -42,7 +42,6 @@ for _name in NN_FUNCTIONS:
     private(f"{nn.__name__}:{_name}")
 private(f"{numpy.__name__}:take")
 private(f"{numpy.__name__}:einsum")
-private(f"{numpy.__name__}:matmul")
 
 random = private("keras.src.backend.torch.random")
 torch_seed_generator = private("keras.src.backend.torch.random:torch_seed_generator")
