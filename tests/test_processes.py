@@ -79,7 +79,7 @@ pytestmark_mp = pytest.mark.skipif(
 
 @pytest.mark.processes
 @pytestmark_mp
-def test_global_data_trains_as_one_device(parity):
+def test_model_parallel_with_global_data_trains_as_one_device(parity):
     """Model parallel, the model axis across the processes (data parallel
     with global data across processes: the matrix's keras-data-parallel
     row in its 2-process cells)."""

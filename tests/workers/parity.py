@@ -1,7 +1,7 @@
 """Run by tests/test_processes.py under `python -m keras_layoutmap.launch -n 2`:
-trains one model on a mesh of 8 devices spread over the processes, and the
-same model on one device in this process, then writes what it saw to
-OUT/rank<i>.json for the test to compare.
+trains one model (model parallel) on a mesh of 8 devices spread over the
+processes, and the same model on one device in this process, then writes
+what it saw to OUT/rank<i>.json for the test to compare.
 
 Usage: parity.py OUT
 """
