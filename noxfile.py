@@ -160,15 +160,16 @@ def _to_keras_next(session):
 #   one-device numbers the one-process run computed. Every process a test
 #   starts keeps it on, as users do: the examples (the DTensor tutorial
 #   among them), the README's snippet, the launcher's and the schedulers'
-#   jobs, test_processes.py's worker that trains data and model parallel
-#   across 2 processes.
+#   jobs, test_processes.py's worker that trains model parallel across 2
+#   processes.
 # - TensorFlow, every run and the processes its tests start: one thread
 #   for TensorFlow's inter-op and one for its intra-op pool. The tests'
 #   tensors are tiny, and 2 pytest workers (or 2 launched processes) share
 #   2 cores: threads only wait for each other there. Measured 2026-11-27,
 #   side by side: the matrix's 2-process run 102-104 s against 111 s, three
-#   files in one process 109 s against 119 s. What is computed is the same
-#   (the one-device numbers come from the same process, alike).
+#   files in one process 109 s against 119 s. What is computed is the same:
+#   every number a test compares (the one-device references the 2-process
+#   run reads included) is computed under the same setting.
 # - JAX, every run of a session: XLA's programs kept on disk
 #   (`JAX_COMPILATION_CACHE_DIR`, JAX's persistent compilation cache, in
 #   the session's tmp folder): a program compiled again (a one-device
