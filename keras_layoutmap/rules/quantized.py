@@ -147,9 +147,20 @@ def _einsum_flat(layer, kernel_shape):
     return rows, cols
 
 
+def _float_kernel_shape(layer):
+    """The float kernel's shape: Keras 3.15 keeps it as
+    `original_kernel_shape` on a quantized `EinsumDense`, keras-nightly as
+    `kernel_shape` (set at build, where the stored int4 kernel is packed);
+    else the kernel variable's own shape."""
+    for attribute in ("original_kernel_shape", "kernel_shape"):
+        value = layer.__dict__.get(attribute)
+        if value is not None:
+            return _shape(value)
+    return _kernel_shape(layer)
+
+
 def _einsum(layer, name, shape):
-    base = getattr(layer, "original_kernel_shape", None)
-    base = _shape(base) if base is not None else _kernel_shape(layer)
+    base = _float_kernel_shape(layer)
     if name == "kernel":
         if base is None or shape == base or not hasattr(
                 layer, "_kernel_reduced_axes"):
