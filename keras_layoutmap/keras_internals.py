@@ -187,3 +187,21 @@ orbax_lazy_module = private("keras.src.utils.module_utils:ocp")
 saving_lib = private("keras.src.saving.saving_lib")
 # `load_weights` / `load_model`'s module: its `is_orbax_checkpoint`, by name.
 saving_api = private("keras.src.saving.saving_api")
+
+
+def compiled_metric_objects(model):
+    """The metric objects passed to `model.compile(metrics=...,
+    weighted_metrics=...)` (keras-hub's `CausalLM.compile` passes its own
+    `SparseCategoricalAccuracy`). Their variables exist from `compile` on,
+    made wherever `compile` ran, but `model.metrics_variables` lists them
+    only once the first `fit` has built the compiled metrics (Keras'
+    private `CompileMetrics._user_metrics`, in 3.15 and 3.16)."""
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None:
+        return []
+    found = []
+    for attribute in ("_user_metrics", "_user_weighted_metrics"):
+        for item in tree.flatten(getattr(compiled, attribute, None) or []):
+            if isinstance(item, keras.metrics.Metric):
+                found.append(item)
+    return found

@@ -41,7 +41,7 @@ import weakref
 
 from keras_layoutmap import backends, paths
 from keras_layoutmap.distributions import _Resolving
-from keras_layoutmap.keras_internals import BaseOptimizer
+from keras_layoutmap.keras_internals import BaseOptimizer, compiled_metric_objects
 from keras_layoutmap.layout import as_layout
 from keras_layoutmap.paths import reference_of
 from keras_layoutmap.rules.resolve import resolve_weight
@@ -63,9 +63,11 @@ def _same_mesh(a, b):
 
 
 def model_state(model):
-    """Every variable of `model`, its compiled metrics and its optimizer,
-    once each, in a stable order."""
+    """Every variable of `model`, its compiled metrics (built or not) and
+    its optimizer, once each, in a stable order."""
     variables = list(model.variables) + list(model.metrics_variables)
+    for metric in compiled_metric_objects(model):  # compiled, not yet built
+        variables += list(metric.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         variables += list(optimizer.variables)
