@@ -15,9 +15,10 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 (random numbers inside a step), `export`, `processes` (DTensor
 multi-client), `keras_distribution` (what `keras.distribution` asks of
 the backend: every process's devices), `slice_updates` / `einsum`
-(keras-hub's `generate()` on a mesh), `quantized_matmul` / `quantized_float8`
-(quantized layers on a mesh). This module is the backend interface (see
-`keras_layoutmap/backends/__init__.py`) and `install()`.
+(keras-hub's `generate()` on a mesh), `quantized_matmul` /
+`quantized_lookup` / `quantized_float8` (quantized layers on a mesh). This
+module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
+and `install()`.
 """
 
 import os
@@ -31,6 +32,7 @@ from keras_layoutmap.backends.tensorflow import (
     keras_distribution,
     placement,
     quantized_float8,
+    quantized_lookup,
     quantized_matmul,
     random_draws,
     slice_updates,
@@ -123,8 +125,14 @@ def install():
     # Quantized int8 layers: int8 x int8 -> int32 as ops DTensor lays out.
     keras_tf.numpy.matmul = quantized_matmul.wrap_matmul(keras_tf.numpy.matmul)
     keras_tf.numpy.einsum = quantized_matmul.wrap_einsum(keras_tf.numpy.einsum)
+    # ... and int4 tables' packed rows, looked up before they are unpacked.
+    keras_tf.numpy.take = quantized_lookup.wrap_take(keras_tf.numpy.take)
     # ... and float8's amax histories, rolled each step.
     keras_tf.numpy.roll = quantized_float8.wrap_roll(keras_tf.numpy.roll)
+    for module in keras_tf.FLOAT8_QDQ_MODULES:
+        module.quantize_and_dequantize = (
+            quantized_float8.wrap_quantize_and_dequantize(
+                module.quantize_and_dequantize))
     Model.__call__ = training.wrap_model_call(Model.__call__)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.
@@ -133,7 +141,9 @@ def install():
     Model.__call__ = gather.wrap_model_call(Model.__call__)
     # ... and while a Dense or EinsumDense whose kernel is sharded over the
     # batch axis computes (keras-hub's recipes store kernels so).
+    # A quantized layer runs `quantized_call` in place of `call`.
     for layer in (keras.layers.Dense, keras.layers.EinsumDense):
         layer.call = gather.wrap_dense_call(layer.call)
+        layer.quantized_call = gather.wrap_dense_call(layer.quantized_call)
 
 

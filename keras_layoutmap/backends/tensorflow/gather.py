@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import is_dtensor, mesh_distribution
+from keras_layoutmap.backends.tensorflow.quantized_lookup import NARROW_INTEGERS
 
 # The mesh axis to gather weights over while a model's call runs; None
 # outside one (the optimizer's update, metrics) or with no FSDP axis.
@@ -115,8 +116,9 @@ def _relayout_input(x, specs, mesh):
 
 
 def wrap_dense_call(original):
-    """`Dense.call` / `EinsumDense.call` under a kernel sharded over the
-    batch axis, as keras-hub's `get_layout_map` recipes shard Llama's and
+    """`Dense.call` / `EinsumDense.call` (and their `quantized_call`, which
+    a quantized layer runs instead) under a kernel sharded over the batch
+    axis, as keras-hub's `get_layout_map` recipes shard Llama's and
     Qwen's attention and MLP kernels (the hidden dimension over `batch`)
     for FSDP-style storage.
 
@@ -172,10 +174,22 @@ def gathered(variable, value):
         return value
     whole = [dtensor.UNSHARDED if s == axis else s for s in specs]
     whole = dtensor.Layout(whole, layout.mesh)
+    if value.dtype.name in NARROW_INTEGERS:
+        # A quantized kernel's codes (int8; int4 packed two a byte):
+        # DTensor's collectives move floats and 32/64-bit integers only.
+        # Widened, the codes move exactly; narrowed again where they arrive.
+        return tf.cast(dtensor.relayout(tf.cast(value, tf.int32), whole),
+                       value.dtype)
     if not getattr(variable, "trainable", False) or len(specs) < 2:
         # no gradient, or no table of rows to look up: TF's own gradient
-        return dtensor.relayout(value, whole)
-    return _relayout(value, whole)
+        gathered_value = dtensor.relayout(value, whole)
+    else:
+        gathered_value = _relayout(value, whole)
+    try:
+        gathered_value._klm_layout = whole  # quantized_float8 keeps it so
+    except AttributeError:
+        pass
+    return gathered_value
 
 
 def _relayout(value, whole):

@@ -43,3 +43,11 @@ for _name in RANDOM_DRAWS:
 trainer = private("keras.src.backend.tensorflow.trainer")
 Trainer = private("keras.src.backend.tensorflow.trainer:Trainer",
                   "keras.src.backend.tensorflow.trainer:TensorFlowTrainer")
+
+# float8's quantize-then-dequantize: 3.15 looks it up on the package
+# `keras.src.quantizers`, 3.16 imports it by name into its float8 mode.
+FLOAT8_QDQ_MODULES = modules_holding(
+    "quantize_and_dequantize",
+    "keras.src.quantizers.modes.float8",  # 3.16
+    "keras.src.quantizers",
+)

@@ -155,7 +155,7 @@ def _run_step(model, step, data):
                 f"{_WHERE_OPS_COME_FROM.get(op, '')}. JAX and torch run such "
                 "a model on a mesh."
             ) from error
-        if "SPMD expansion" not in message:
+        if "SPMD expansion" not in message and "spmd_expander" not in message:
             raise
         reason = message.split("error: ", 1)[-1].split("\n", 1)[0]
         raise ValueError(
