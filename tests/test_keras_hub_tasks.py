@@ -2,7 +2,8 @@
 with their backbone's `get_layout_map` (keras-hub's distributed-tuning
 recipe, unchanged but for `import keras_layoutmap`): `CausalLM.fit` and
 greedy `generate()` equal to one device, then (Llama) the same quantized
-to int8, the layouts read back from the backend. Gemma's recipe (fit,
+to int8, int4 and float8, and `fit` in int8 with LoRA and in float8, the
+layouts read back from the backend. Gemma's recipe (fit,
 greedy and seeded generate of prompts of mixed lengths, an indivisible
 batch, LoRA, presets, int8) is in the workflow matrix (test_workflows.py),
 in every cell; here, the other architectures' rules, and the docs'
@@ -142,7 +143,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
 
 
 # Architectures whose recipe also runs quantized (Gemma's: the matrix's
-# hub-int8-generate row).
+# hub-quantized-generate row).
 QUANTIZED = ("llama",)
 
 
@@ -165,6 +166,65 @@ def assert_int8_generate_equals_one_device(distribution, lm, reference):
     scale = next(v for v in lm.weights
                  if v.path.endswith("query/kernel_scale"))
     assert tuple(klm.fetch_layout(scale).axes) == (None, None, "batch", None)
+
+
+def quantized_llama(distribution, mode, lora=False):
+    """A fresh Llama quantized to `mode` (in `distribution`'s scope, if
+    any), with LoRA of rank 2 on its query and value projections if
+    `lora`."""
+    with (distribution.scope() if distribution else _nowhere()):
+        lm = build("llama")
+        lm.quantize(mode)
+        if lora:
+            lm.backbone.enable_lora(2)
+    return lm
+
+
+class _nowhere:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_llama_int4_and_float8_generate(no_distribution):
+    """Llama under its recipe quantized to int4 and to float8: greedy ids
+    identical to one device's quantized model; each packed int4 kernel
+    where the rule puts it where its packed size allows."""
+    distribution = keras_model_parallel("llama")
+    for mode in ("int4", "float8"):
+        expected = generate(quantized_llama(None, mode), "greedy")
+        lm = quantized_llama(distribution, mode)
+        with distribution.scope():
+            np.testing.assert_array_equal(generate(lm, "greedy"), expected,
+                                          err_msg=mode)
+        if mode == "int4":  # the gate kernel (hidden, intermediate): (batch, model)
+            gate = next(v for v in lm.weights
+                        if v.path.endswith("feedforward_gate_dense/kernel"))
+            assert str(gate.dtype) == "int8"
+            assert tuple(klm.fetch_layout(gate).axes) == ("batch", "model")
+
+
+def test_llama_quantized_fit(no_distribution):
+    """Llama under its recipe, int8 with LoRA, and float8: `fit` equal to
+    one device (float8 to its rounding: docs/quantized.md), the int8
+    kernels bit-identical before and after."""
+    distribution = keras_model_parallel("llama")
+    for mode, lora, tolerance in (("int8", True, (1e-4, 1e-5)),
+                                  ("float8", False, (1e-3, 2e-5))):
+        reference = quantized_llama(None, mode, lora)
+        lm = quantized_llama(distribution, mode, lora)
+        frozen = {p: w for p, w in weights(lm).items() if w.dtype == np.int8}
+        assert (len(frozen) >= 7) == (mode == "int8")
+        history, expected = fit(lm), fit(reference)
+        np.testing.assert_allclose(history["loss"], expected["loss"],
+                                   rtol=tolerance[0], err_msg=mode)
+        assert_equal(weights(lm), weights(reference), *tolerance)
+        for path, before in frozen.items():
+            np.testing.assert_array_equal(weights(lm)[path], before, path)
+        if lora:
+            assert sum("lora" in v.path for v in lm.trainable_weights) == 4
 
 
 def test_docs_recipe_runs(no_distribution):
