@@ -169,12 +169,13 @@ def assert_int8_generate_equals_one_device(distribution, lm, reference):
 
 
 def quantized_llama(distribution, mode, lora=False):
-    """A fresh Llama quantized to `mode` (in `distribution`'s scope, if
-    any), with LoRA of rank 2 on its query and value projections if
-    `lora`."""
+    """A fresh Llama quantized to `mode` through its backbone
+    (`Backbone.quantize`; Gemma's rows call `CausalLM.quantize`), in
+    `distribution`'s scope if any, with LoRA of rank 2 on its query and
+    value projections if `lora`."""
     with (distribution.scope() if distribution else _nowhere()):
         lm = build("llama")
-        lm.quantize(mode)
+        lm.backbone.quantize(mode)
         if lora:
             lm.backbone.enable_lora(2)
     return lm
