@@ -9,6 +9,8 @@ batch, LoRA, presets, int8) is in the workflow matrix (test_workflows.py),
 in every cell; here, the other architectures' rules, and the docs'
 recipe."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -173,20 +175,12 @@ def quantized_llama(distribution, mode, lora=False):
     (`Backbone.quantize`; Gemma's rows call `CausalLM.quantize`), in
     `distribution`'s scope if any, with LoRA of rank 2 on its query and
     value projections if `lora`."""
-    with (distribution.scope() if distribution else _nowhere()):
+    with (distribution.scope() if distribution else contextlib.nullcontext()):
         lm = build("llama")
         lm.backbone.quantize(mode)
         if lora:
             lm.backbone.enable_lora(2)
     return lm
-
-
-class _nowhere:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_llama_int4_and_float8_generate(no_distribution):

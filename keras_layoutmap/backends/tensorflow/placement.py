@@ -236,6 +236,16 @@ def mesh_distribution():
     return dist
 
 
+def mesh_of(x):
+    """The `dtensor.Mesh` an op on `x` runs on: eagerly, that of `x` if it
+    is a DTensor; inside a `tf.function`, the active mesh distribution's;
+    None off the mesh."""
+    if tf.executing_eagerly():
+        return dtensor.fetch_layout(x).mesh if is_dtensor(x) else None
+    dist = mesh_distribution()
+    return None if dist is None else to_dmesh(dist.device_mesh)
+
+
 def runs_on_mesh(*values):
     """Whether an op on `values` runs on the mesh: eagerly, when one of them
     is a DTensor; inside a `tf.function` (where a symbolic tensor does not

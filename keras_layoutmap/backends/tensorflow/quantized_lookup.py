@@ -19,12 +19,7 @@ import tensorflow as tf
 from keras.backend import standardize_dtype
 from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow.placement import (
-    is_dtensor,
-    mesh_distribution,
-    runs_on_mesh,
-    to_dmesh,
-)
+from keras_layoutmap.backends.tensorflow.placement import mesh_of, runs_on_mesh
 
 # The integer dtypes DTensor's collectives refuse.
 NARROW_INTEGERS = ("int8", "uint8", "int16", "uint16")
@@ -37,27 +32,20 @@ def wrap_take(original):
     @functools.wraps(original)
     def take(x, indices, axis=None):
         dtype = getattr(x, "dtype", None)  # a tensor's, or a Keras variable's
-        if not (dtype is not None and standardize_dtype(dtype) in NARROW_INTEGERS
-                and runs_on_mesh(tf.convert_to_tensor(x), indices)):
+        if dtype is None or standardize_dtype(dtype) not in NARROW_INTEGERS:
             return original(x, indices, axis=axis)
-        wide = tf.cast(tf.convert_to_tensor(x), tf.int32)
-        rows = original(wide, indices, axis=axis)
-        mesh = _mesh(rows)
+        x = tf.convert_to_tensor(x)
+        if not runs_on_mesh(x, indices):
+            return original(x, indices, axis=axis)
+        rows = original(tf.cast(x, tf.int32), indices, axis=axis)
+        mesh = mesh_of(rows)
         if mesh is not None and rows.shape.rank:
             # Laid out as the ids are (their first dimension), the rest whole,
             # before narrowing: what follows then has nothing to move.
             rows = dtensor.relayout(rows, dtensor.Layout(
                 [dtensor.MATCH] + [dtensor.UNSHARDED] * (rows.shape.rank - 1),
                 mesh))
-        return tf.cast(rows, dtype)
+        return tf.cast(rows, x.dtype)
 
     return take
 
-
-def _mesh(x):
-    """The mesh `x` is on: its own (a DTensor, eagerly), else the active
-    distribution's (inside a step); None off the mesh."""
-    if tf.executing_eagerly():
-        return dtensor.fetch_layout(x).mesh if is_dtensor(x) else None
-    dist = mesh_distribution()
-    return None if dist is None else to_dmesh(dist.device_mesh)

@@ -21,12 +21,7 @@ import functools
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow.placement import (
-    is_dtensor,
-    mesh_distribution,
-    runs_on_mesh,
-    to_dmesh,
-)
+from keras_layoutmap.backends.tensorflow.placement import mesh_of, runs_on_mesh
 
 
 def _int8_pair(operands):
@@ -61,15 +56,9 @@ def _replicated(x):
     "batch" in the kernel under its recipe), which the float path never
     meets (its activations are laid out from the kernels). Quantized
     inference keeps its exact int32 sums; the sharding resumes after."""
-    if tf.executing_eagerly():
-        if not is_dtensor(x):
-            return x
-        mesh = dtensor.fetch_layout(x).mesh
-    else:
-        dist = mesh_distribution()
-        if dist is None:
-            return x
-        mesh = to_dmesh(dist.device_mesh)
+    mesh = mesh_of(x)
+    if mesh is None:
+        return x
     return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
 
 
