@@ -94,7 +94,10 @@ CASES = {
 
 def _describe(place):
     from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
+    if isinstance(place, _StridedShard):  # not a Shard in torch 2.13
+        return f"strided S{place.dim}"
     if isinstance(place, Shard):
         return f"S{place.dim}"
     return "P" if isinstance(place, Partial) else "R"
@@ -139,3 +142,58 @@ def test_einsum_and_its_gradients_equal_the_whole_tensors(case):
         grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
         np.testing.assert_allclose(grad.numpy(), whole.grad.numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+# -- reshapes and matmuls that would be strided (backends/torch/reshapes.py) --
+
+PLAIN_CASES = {
+    # (op, shapes, the dimension each operand splits over (batch, model),
+    # the output's placements)
+    # Flatten of a convolution's output, its channels over "model": the
+    # channels are gathered, the rows stay split.
+    "flatten": ("reshape", [(4, 2, 2, 4)], [(0, 3)], ["S0", "R"]),
+    # A Dense on a sequence split over "model": no merge of batch and
+    # sequence, each stays split.
+    "matmul": ("matmul", [(4, 6, 8), (8, 6)], [(0, 1), (None, 1)],
+               ["S0", "S1"]),
+}
+
+
+@pytest.mark.sharding
+@pytest.mark.training
+@pytest.mark.parametrize("case", sorted(PLAIN_CASES))
+def test_reshape_and_matmul_keep_plain_placements(case):
+    import keras
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from keras_layoutmap.backends.torch.placement import to_device_mesh
+
+    op, shapes, splits, expected = PLAIN_CASES[case]
+    mesh = to_device_mesh(mp_mesh())
+    rng = np.random.default_rng(0)
+    wholes = [torch.tensor(rng.normal(size=s), dtype=torch.float32)
+              for s in shapes]
+    operands = [distribute_tensor(
+        whole.clone(), mesh,
+        [Shard(d) if d is not None else Replicate() for d in split],
+    ).requires_grad_() for whole, split in zip(wholes, splits)]
+
+    def run(*xs):
+        if op == "reshape":
+            return keras.ops.reshape(xs[0], (xs[0].shape[0], -1))
+        return keras.ops.matmul(*xs)
+
+    out = run(*operands)
+    # read from the DTensor: plain placements, none strided
+    assert [_describe(p) for p in out.placements] == expected, out.placements
+    weights = torch.tensor(rng.normal(size=out.shape), dtype=torch.float32)
+    (out.full_tensor() * weights).sum().backward()
+    references = [w.clone().requires_grad_() for w in wholes]
+    (run(*references) * weights).sum().backward()
+    np.testing.assert_allclose(out.full_tensor().detach().numpy(),
+                               run(*references).detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
+    for operand, whole in zip(operands, references):
+        np.testing.assert_allclose(operand.grad.full_tensor().numpy(),
+                                   whole.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ from keras_layoutmap.backends.torch import (
     lookups,
     placement,
     random_draws,
+    reshapes,
     scalar_reads,
     training,
     variables,
@@ -124,6 +125,9 @@ def install():
         keras_torch.core.slice_update)
     keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)
     keras_torch.numpy.einsum = einsums.wrap_einsum(keras_torch.numpy.einsum)
+    keras_torch.numpy.matmul = reshapes.wrap_matmul(
+        keras_torch.numpy.matmul, keras_torch.numpy.einsum)
+    keras_torch.numpy.reshape = reshapes.wrap_reshape(keras_torch.numpy.reshape)
     keras_torch.nn.dot_product_attention = (
         attention.wrap_dot_product_attention(
             keras_torch.nn.dot_product_attention))
