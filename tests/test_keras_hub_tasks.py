@@ -145,7 +145,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
 
 
 # Architectures whose recipe also runs quantized (Gemma's: the matrix's
-# hub-quantized-generate row).
+# hub-quantized-* rows).
 QUANTIZED = ("llama",)
 
 

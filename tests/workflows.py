@@ -151,24 +151,24 @@ WORKFLOWS = (
              "losses, kernels, scales and every amax history equal (biases "
              "to bfloat16 rounding: Keras' float8 Dense rounds their "
              "gradient)."),
-    Workflow("hub-quantized-generate",
+    Workflow("hub-quantized-int8",
              "keras-hub's recipe, a tiny `GemmaCausalLM` quantized with "
-             "`quantize(mode)` inside the scope, for int8, int4 and float8, "
-             "then greedy `generate()` of prompts of mixed lengths: ids "
-             "identical; every int8 kernel where the recipe's rule puts it "
-             "(int4's packed ones too), the scales following it (Llama's "
-             "recipe: tests/test_keras_hub_tasks.py)."),
-    Workflow("hub-quantized-fit",
-             "The recipe's Gemma quantized in its scope: int8 with "
-             "`backbone.enable_lora(2)`, and float8; compiled outside the "
-             "scope (with a `SparseCategoricalAccuracy` object, as "
-             "keras-hub's `compile` makes), then `fit`: losses and weights "
-             "equal (float8's to its rounding), the int8 kernels "
-             "bit-identical before and after, float8's amax histories "
-             "included."),
-    Workflow("hub-int4-lora-fit",
-             "The same with int4 and LoRA: `fit` equal to one device, the "
-             "packed kernels bit-identical before and after."),
+             "`quantize(\"int8\")` inside the scope, greedy `generate()` of "
+             "prompts of mixed lengths (ids identical), then "
+             "`backbone.enable_lora(2)`, compiled outside the scope (with a "
+             "`SparseCategoricalAccuracy` object, as keras-hub's `compile` "
+             "makes), and `fit`: losses and weights equal, the int8 kernels "
+             "bit-identical before and after; every int8 kernel where the "
+             "recipe's rule puts it, the scales following it, read from the "
+             "backend (Llama's recipe: tests/test_keras_hub_tasks.py)."),
+    Workflow("hub-quantized-int4",
+             "The same in int4 with LoRA: ids identical, `fit` equal, the "
+             "packed kernels bit-identical before and after and where the "
+             "rule puts them as their packed size allows."),
+    Workflow("hub-quantized-float8",
+             "The same in float8, without LoRA: ids identical, `fit` equal "
+             "to its rounding (docs/quantized.md), amax histories included; "
+             "the per-tensor scales and histories replicated."),
     Workflow("hub-preset",
              "The recipe, `save_to_preset` then `from_preset` of that folder "
              "under the distribution: weights exact, laid out as the rules "
