@@ -129,11 +129,20 @@ def test_einsum_and_its_gradients_equal_the_whole_tensors(case):
                         .requires_grad_())
     out = keras.ops.einsum(subscripts, *operands)
     assert [_describe(p) for p in out.placements] == expected
+    assert_equals_whole(out, operands, wholes,
+                        lambda *xs: torch.einsum(subscripts, *xs), rng)
+
+
+def assert_equals_whole(out, operands, wholes, function, rng):
+    """`out`, `function` of `operands` on the mesh, equals `function` of
+    the whole tensors, and so do the gradients of a random weighting of it
+    (an operand may be a plain tensor every process holds)."""
+    import torch
+
     weights = torch.tensor(rng.normal(size=out.shape), dtype=torch.float32)
     (out.full_tensor() * weights).sum().backward()
-
     references = [w.clone().requires_grad_() for w in wholes]
-    reference = torch.einsum(subscripts, *references)
+    reference = function(*references)
     (reference * weights).sum().backward()
     np.testing.assert_allclose(out.full_tensor().detach().numpy(),
                                reference.detach().numpy(), rtol=1e-5, atol=1e-6)
@@ -187,13 +196,4 @@ def test_reshape_and_matmul_keep_plain_placements(case):
     out = run(*operands)
     # read from the DTensor: plain placements, none strided
     assert [_describe(p) for p in out.placements] == expected, out.placements
-    weights = torch.tensor(rng.normal(size=out.shape), dtype=torch.float32)
-    (out.full_tensor() * weights).sum().backward()
-    references = [w.clone().requires_grad_() for w in wholes]
-    (run(*references) * weights).sum().backward()
-    np.testing.assert_allclose(out.full_tensor().detach().numpy(),
-                               run(*references).detach().numpy(), rtol=1e-5,
-                               atol=1e-6)
-    for operand, whole in zip(operands, references):
-        np.testing.assert_allclose(operand.grad.full_tensor().numpy(),
-                                   whole.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert_equals_whole(out, operands, wholes, run, rng)
