@@ -59,20 +59,6 @@ def single(digits):
     return model, history
 
 
-def test_plain_keras_data_parallel_trains_as_one_device(digits, single):
-    """The gap this project closes: with keras 3.15.1 alone, Keras' own
-    `DataParallel(devices=...)` (the guide's one-liner) fails on the short
-    last batch on JAX ("should evenly divide"), refuses it on TensorFlow and
-    wants a tf.data dataset on torch across processes. After `import
-    keras_layoutmap` it runs as `klm.DataParallel`: equal to one device."""
-    dist = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
-    with dist.scope():
-        model = build()
-        history = train(model, digits)
-    assert_same_history(history, single[1])
-    assert_same_weights(weights(model), weights(single[0]))
-
-
 def test_data_parallel_matches_single_device(digits, single):
     mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():

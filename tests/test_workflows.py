@@ -146,9 +146,12 @@ def train_evaluate_predict(model):
 @row("keras-data-parallel")
 def keras_data_parallel(distributed, folder):
     if distributed:
-        mesh = keras_mesh((DEVICES,), ["batch"])
+        # The guide's first form: `DataParallel(devices=list_devices())`,
+        # every device of every process, each named once.
+        devices = keras.distribution.list_devices()
+        assert len(set(devices)) == len(devices) == DEVICES, devices
         keras.distribution.set_distribution(
-            keras.distribution.DataParallel(device_mesh=mesh))
+            keras.distribution.DataParallel(devices=devices))
     try:
         return train_evaluate_predict(mlp())
     finally:

@@ -65,8 +65,8 @@ class Workflow:
 
 WORKFLOWS = (
     Workflow("keras-data-parallel",
-             "The Keras distribution guide's `DataParallel`: a `DeviceMesh` "
-             "over `keras.distribution.list_devices()`, "
+             "The Keras distribution guide's `DataParallel(devices="
+             "keras.distribution.list_devices())`, "
              "`set_distribution`, then `fit` (a short last batch), "
              "`evaluate` and `predict` of a Sequential MLP on the digits."),
     Workflow("keras-model-parallel",
