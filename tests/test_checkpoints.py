@@ -11,8 +11,8 @@ import time
 import keras
 import numpy as np
 import pytest
-from helpers import DEVICES, PROCESSES, run_script
-from test_workflows import keras_model_parallel_plan
+from helpers import DEVICES, PROCESSES, digits_data, run_script
+from test_workflows import keras_model_parallel_plan, mlp
 
 import keras_layoutmap as klm
 
@@ -157,3 +157,39 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(tmp_path):
         "bias": np.zeros(3, "float32")}}}})
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(same.weights[1]),
                                   np.zeros(3, "float32"))
+
+
+@pytest.mark.skipif(PROCESSES == 1, reason="needs several processes (the "
+                    "launcher's): in one process every value is whole here")
+@pytest.mark.training  # every process of a run, together
+def test_one_file_weights_across_processes_and_a_value_that_differs(tmp_path):
+    """`save_weights` / `load_weights` of one file on a mesh that spans
+    processes: every process reads the file and places its own pieces of
+    each value (JAX: no gather of the whole value from every process to
+    compare it), exact. JAX keeps its contract that a value placed from a
+    host is the same on every process: a value that differs is refused on
+    every process, naming the variable."""
+    keras.distribution.set_distribution(keras_model_parallel_plan())
+    try:
+        saved = mlp()
+        x, y = digits_data(64)
+        saved.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        path = str(tmp_path / "model.weights.h5")
+        saved.save_weights(path)
+        loaded = mlp()  # as first built: other weights than the trained ones
+        assert not np.array_equal(keras.ops.convert_to_numpy(loaded.weights[0]),
+                                  keras.ops.convert_to_numpy(saved.weights[0]))
+        loaded.load_weights(path)
+        for got, want in zip(loaded.weights, saved.weights):
+            assert klm.fetch_layout(got) == klm.fetch_layout(want), got.path
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(got),
+                                          keras.ops.convert_to_numpy(want))
+        if keras.backend.backend() != "jax":
+            return  # TensorFlow and torch place each process's own value
+        kernel = loaded.get_layer("d1").kernel
+        mine = np.full(kernel.shape, klm.process_index(), "float32")
+        with pytest.raises(ValueError, match=(
+                r"d1/kernel'.*not the same on every process")):
+            kernel.assign(mine)
+    finally:
+        keras.distribution.set_distribution(None)

@@ -52,6 +52,15 @@ def install():
     JaxVariable = keras_jax.JaxVariable
     JaxVariable._initialize = placement.wrap_initialize_keeps_value_layout(
         JaxVariable._initialize)
+    # Values assigned on a mesh that spans processes: each process places
+    # its own pieces (no gather of the whole value from every process).
+    keras_jax.distribution_lib.distribute_tensor = (
+        placement.wrap_distribute_tensor(
+            keras_jax.distribution_lib.distribute_tensor))
+    for cls in {JaxVariable, keras_jax.Variable}:
+        if "_direct_assign" in vars(cls):
+            cls._direct_assign = placement.wrap_direct_assign(
+                cls._direct_assign)
     # Weights made under a distribution are born sharded.
     JaxVariable._initialize_with_initializer = (
         initialization.wrap_initialize_with_initializer(

@@ -9,6 +9,8 @@ import numpy as np
 from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
+    ValueDiffersAcrossProcesses,
+    place_whole,
     set_cpu_devices,
     to_host,
 )
@@ -95,9 +97,60 @@ def device_bytes(x):
 
 def distribute(x, layout):
     x = getattr(x, "value", x)  # a keras.Variable: no np.asarray on it
+    sharding = _sharding(layout)
+    if _spans_processes(sharding) and _whole_here(x):
+        return place_whole(x, sharding)
     if isinstance(x, jax.Array):
-        return jax.device_put(x, _sharding(layout))
-    return jax.device_put(np.asarray(x), _sharding(layout))
+        return jax.device_put(x, sharding)
+    return jax.device_put(np.asarray(x), sharding)
+
+
+def _spans_processes(sharding):
+    return (isinstance(sharding, jax.sharding.Sharding)
+            and not sharding.is_fully_addressable)
+
+
+def _whole_here(value):
+    """A value this process holds all of: numpy, or a jax.Array on this
+    process's devices (not a tracer: inside `jit` layouts are constraints)."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    if isinstance(value, jax.Array):
+        return value.is_fully_addressable
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def wrap_distribute_tensor(distribute_tensor):
+    """Keras' `distribute_tensor(value, layout)`, by which a variable places
+    each value assigned to it (`load_weights`, `set_weights`, `assign`): a
+    value this process holds whole, on a mesh that spans processes, is
+    placed by `place_whole` (each process its own pieces, after comparing
+    a digest of the value across processes) in place of `device_put`,
+    which gathers the whole value from every process to compare it."""
+
+    @functools.wraps(distribute_tensor)
+    def placed(tensor, layout):
+        sharding = getattr(layout, "backend_layout", layout)
+        if _spans_processes(sharding) and _whole_here(tensor):
+            return place_whole(tensor, sharding)
+        return distribute_tensor(tensor, layout)
+
+    return placed
+
+
+def wrap_direct_assign(direct_assign):
+    """A variable's assignment, naming the variable where the value differs
+    across processes."""
+
+    @functools.wraps(direct_assign)
+    def assign(self, value):
+        try:
+            return direct_assign(self, value)
+        except ValueDiffersAcrossProcesses as e:
+            raise ValueDiffersAcrossProcesses(
+                f"Variable {self.path!r}: {e}") from None
+
+    return assign
 
 
 def pack(components, layout):

@@ -10,6 +10,8 @@ process order. Either way every step sees one global batch, so a short
 final batch (replicated by the distribution's data layout) is exact.
 """
 
+import zlib
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -142,4 +144,39 @@ def global_array(host, sharding):
     """A global jax.Array from `host`, the whole value known to every
     process: each process places only its own devices' pieces."""
     host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
+class ValueDiffersAcrossProcesses(ValueError):
+    """A value placed on a mesh that spans processes is not the same on
+    every process (JAX's contract for `device_put` of a host value)."""
+
+
+def place_whole(value, sharding):
+    """`value`, whole on this process (a numpy array, or a jax.Array this
+    process holds all of), placed by `sharding`, which spans processes:
+    each process places its own devices' pieces of it.
+
+    JAX's `device_put` does the same after checking that every process
+    passed the same value, by gathering the whole value from every process:
+    15 s and +340 MiB for one 256 MiB kernel over 4 processes, against
+    0.35 s (2026-11-27; `load_weights` of a 1 GiB file took 35 s). The same
+    check here compares a CRC-32 of each process's bytes (with the shape
+    and dtype): one small gather. A value that differs raises
+    `ValueDiffersAcrossProcesses` on every process."""
+    host = np.asarray(value, order="C")  # 0-d stays 0-d
+    kind = repr((host.shape, str(host.dtype))).encode()
+    # int32 (JAX's default integers; a CRC-32 is 32 bits)
+    digest = np.asarray([zlib.crc32(host.reshape(-1).view(np.uint8)),
+                         zlib.crc32(kind)], np.uint32).view(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(digest))
+    differ = [i for i, d in enumerate(every) if not np.array_equal(d, digest)]
+    if differ:
+        raise ValueDiffersAcrossProcesses(
+            f"A value of shape {host.shape} and dtype {host.dtype} placed on "
+            f"a mesh that spans {jax.process_count()} processes is not the "
+            f"same on every process: process {jax.process_index()}'s differs "
+            f"from process(es) {differ}'s. Each process places its own "
+            "pieces of the value it holds, so every process must pass the "
+            "same one (the same file, the same seed).")
     return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
