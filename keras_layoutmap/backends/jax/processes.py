@@ -179,4 +179,4 @@ def place_whole(value, sharding):
             f"from process(es) {differ}'s. Each process places its own "
             "pieces of the value it holds, so every process must pass the "
             "same one (the same file, the same seed).")
-    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+    return global_array(host, sharding)
