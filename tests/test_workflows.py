@@ -48,8 +48,10 @@ def one_device(function, folder):
     """`function(False, folder)`, computed once per process, and once per
     session where nox names a folder for it (`KLM_TEST_REFERENCES`): the
     run in several processes then reads what the one-process run computed
-    (same backend, Keras, device count and compile settings, which name
-    the file), instead of each process computing it again. (torch has no
+    (same backend, Keras and compile settings, which name the file; not
+    the device count: a one-device run uses one device however many the
+    process has, and TensorFlow's multi-process cell has 4 in all, its
+    one-process run 8), instead of each process computing it again. (torch has no
     one-process matrix run: its 4 processes compute their own; measured,
     that is not where their time goes: the 4-process matrix took 180 s
     either way, 2026-11-26.)"""
@@ -76,7 +78,7 @@ def _saved_reference(name):
     folder = os.environ.get("KLM_TEST_REFERENCES")
     if not folder:
         return None
-    cell = repr((BACKEND, keras.version(), DEVICES, name,
+    cell = repr((BACKEND, keras.version(), name,
                  os.environ.get("XLA_FLAGS", ""),
                  os.environ.get("KLM_TEST_FAST_GRAPHS", "")))
     digest = hashlib.sha1(cell.encode()).hexdigest()[:16]

@@ -229,7 +229,8 @@ def docs_page():
         "A cell that cannot work states the error a user gets there, and "
         "its test checks that error. `nox` runs every cell: `tests-jax` and "
         "`tests-tensorflow` in one process (8 devices) and under "
-        "`python -m keras_layoutmap.launch -n 2` (4 devices each), "
+        "`python -m keras_layoutmap.launch -n 2` (8 devices, 4 in each; "
+        "TensorFlow 4, 2 in each), "
         "`tests-torch` under the launcher with 4 processes (one device "
         "each), then each session the same on "
         "keras-nightly.",
