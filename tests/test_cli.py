@@ -164,15 +164,29 @@ def test_weights_are_not_allocated(workdir):
     (embed,) = model.weights
     assert tuple(embed.shape) == (1 << 20, 1024)
     assert embed._value is None  # deferred: no memory behind it
-    # and the same in a fresh process, measured: 4 GiB of weights, well
-    # under 1.5 GiB of memory (TensorFlow's runtime alone takes 0.7 to 1.05
-    # GiB here, seen over 1 GiB in a fresh clone's nox; allocated, the
-    # weights would add 4).
+    # and the same in a fresh process, through the package's `__main__` as
+    # `python -m keras_layoutmap explain ... --strict` runs it (runpy, as
+    # `-m` does), measured: 4 GiB of weights, well under 1.5 GiB of memory
+    # (TensorFlow's runtime alone takes 0.7 to 1.05 GiB here, seen over 1
+    # GiB in a fresh clone's nox; allocated, the weights would add 4), on a
+    # mesh of 8 devices, more than a fresh process has.
+    # A plain import (no launcher) installs everything at once, before
+    # any use of the package.
     code = textwrap.dedent('''
-        import resource, sys
-        from keras_layoutmap import cli
-        status = cli.main(["explain", "klm_builders:huge", "--mesh",
-                           "batch=2,model=4", "--json", "--rules", "r.toml"])
+        import resource, runpy, sys
+        import keras_layoutmap as klm
+        assert "keras" in sys.modules, "a plain import stayed light"
+        from keras_layoutmap import initializers, layer_kwargs
+        assert layer_kwargs._INSTALLED and initializers._INSTALLED
+        sys.argv = ["keras_layoutmap", "explain", "klm_builders:huge",
+                    "--mesh", "batch=2,model=4", "--json", "--rules", "r.toml",
+                    "--strict"]
+        try:
+            runpy.run_module("keras_layoutmap", run_name="__main__",
+                             alter_sys=True)
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
         print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         sys.exit(status)
     ''')
@@ -183,7 +197,8 @@ def test_weights_are_not_allocated(workdir):
         timeout=300)
     assert result.returncode == 0, result.stderr
     out, maxrss = result.stdout.rsplit("MAXRSS_KB", 1)
-    assert json.loads(out)["bytes_per_device"] == (1 << 30)
+    report = json.loads(out)
+    assert report["bytes_per_device"] == (1 << 30) and report["strict"] is True
     assert int(maxrss) < 3 << 19  # KiB: under 1.5 GiB
 
 
@@ -266,14 +281,9 @@ def test_help_needs_no_keras():
 
 @pytest.mark.processes
 def test_python_dash_m(workdir):
+    """`python -m keras_layoutmap`: its help (an explain through the
+    package's `__main__`: test_weights_are_not_allocated)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{workdir}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_layoutmap", "explain", "klm_builders:mlp",
-         "--mesh", "batch=2,model=64", "--rules", "rules.json", "--strict",
-         "--json"],  # 128 devices: far more than a fresh process has
-        capture_output=True, text=True, cwd=workdir, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["strict"] is True
     result = subprocess.run([sys.executable, "-m", "keras_layoutmap", "--help"],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "explain" in result.stdout
