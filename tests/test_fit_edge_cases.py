@@ -28,9 +28,8 @@ from keras_layoutmap import backends
 
 pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
-BATCH = 64  # 590 rows: the last batch of an epoch holds 14, which 8 and 4 do not divide
-ROWS = 590
-DISTRIBUTIONS = ("data_parallel", "model_parallel")
+BATCH = 64  # 270 rows: the last batch of an epoch holds 14, which 8 and 4 do not divide
+ROWS = 270
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +103,16 @@ def build_under(kind):
         return digits_net()
 
 
-class StopMidEpoch(keras.callbacks.Callback):
+class KillMidEpoch(keras.callbacks.Callback):
     """At the 4th batch of the 3rd epoch, when the backup holds epochs 1-2:
-    SIGKILL, or an exception to carry on in this process."""
-
-    def __init__(self, kill):
-        super().__init__()
-        self.kill = kill
+    SIGKILL, as a preempted job ends."""
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 2 and batch == 3:
-            if self.kill:
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fit(model, backup, *callbacks):
@@ -130,18 +123,13 @@ def fit(model, backup, *callbacks):
 
 
 if mode == "kill":
-    # Both backups end with this process (one start-up saved).
-    try:
-        fit(build_under("model_parallel"), "model_parallel", StopMidEpoch(False))
-    except KeyboardInterrupt:
-        pass
-    fit(build_under("data_parallel"), "data_parallel", StopMidEpoch(True))
+    fit(build_under("model_parallel"), "model_parallel", KillMidEpoch())
     sys.exit("the training was not killed")
 
-# Resume both backups under DataParallel; train once more uninterrupted.
+# Resume the backup under another plan, DataParallel; train once more
+# uninterrupted.
 out = {}
-for name, backup in (("resumed", "data_parallel"),
-                     ("resumed_from_mp", "model_parallel"),
+for name, backup in (("resumed_from_mp", "model_parallel"),
                      ("uninterrupted", "uninterrupted")):
     model = build_under("data_parallel")
     history = fit(model, backup)
@@ -158,31 +146,33 @@ np.savez(os.path.join(workdir, "out.npz"), **out)
     reason="kills a one-process run of 8 devices; a torch mesh is one process "
     "per device (BackupAndRestore across 4 processes: test_fit_features)")
 def test_backup_and_restore_resumes_after_sigkill(tmp_path, digits):
+    """Killed (SIGKILL) in its 3rd epoch under model parallel, resumed under
+    data parallel: the backup of epoch 2 was whole and reads under another
+    plan, equal to a run never stopped. (Resumed on its own plan after an
+    interruption, equal to one device: the workflow matrix's callbacks row,
+    in every cell.)"""
     x, y = digits
     np.savez(tmp_path / "data.npz", x=x, y=y)
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     killed = run_script(script, "kill", tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    for kind in DISTRIBUTIONS:
-        metadata = json.loads((tmp_path / kind / "training_metadata.json").read_text())
-        assert metadata["epoch"] == 2, (kind, metadata)  # stopped in the 3rd epoch
+    metadata = json.loads(
+        (tmp_path / "model_parallel" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 2, metadata  # killed in the 3rd epoch
     resumed = run_script(script, "resume", tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
     assert out["uninterrupted_epochs"] == 4
-    assert out["resumed_epochs"] == out["resumed_from_mp_epochs"] == 2  # epochs 3-4
+    assert out["resumed_from_mp_epochs"] == 2  # epochs 3-4
     count = sum(key.startswith("uninterrupted_") for key in out.files) - 1
     assert count == 4  # two kernels, two biases
     for i in range(count):
-        expected = out[f"uninterrupted_{i}"]
-        # Same mesh, same backup: the same numbers to the last bit.
-        np.testing.assert_array_equal(out[f"resumed_{i}"], expected)
         # Epochs 1-2 ran model-parallel: equal up to float rounding.
-        np.testing.assert_allclose(out[f"resumed_from_mp_{i}"], expected,
-                                   rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(out[f"resumed_from_mp_{i}"],
+                                   out[f"uninterrupted_{i}"], rtol=1e-5,
+                                   atol=2e-6)
     # Training finished: the backup is gone.
-    assert not (tmp_path / "data_parallel").exists()
     assert not (tmp_path / "model_parallel").exists()
 
 
@@ -359,13 +349,13 @@ def test_mixed_precision(kind, mixed_policy, digits):
     # Split over devices, the sums over the batch (gradients) and over the
     # model axis (d2's matmul) are added in another order, and rounded to
     # the half type in between: float16 keeps 11 significant bits (one
-    # rounding ~5e-4 relative), bfloat16 only 8 (~4e-3). Ten SGD steps of
-    # lr 0.1 carry these into the float32 weights (measured worst case:
+    # rounding ~5e-4 relative), bfloat16 only 8 (~4e-3). Five SGD steps of
+    # lr 0.1 carry these into the float32 weights (measured over ten, worst case:
     # 8e-4 for float16, 1.8e-3 for bfloat16, TensorFlow; 5.4e-3 for
     # bfloat16 on torch, 4 processes); the tolerances leave a factor of
     # ~1.5-3. The loss, a mean over 64 rows, drifts far less
     # (measured <= 2e-5 relative). Accuracy counts argmaxes: a near-tie among
-    # the logits can flip a few of the 590 rows (measured: 6 in bfloat16).
+    # the logits can flip a few of the rows (measured: 6 in bfloat16).
     weight_atol, loss_rtol, accuracy_atol = {
         "mixed_float16": (2.5e-3, 1e-4, 5 / ROWS),
         "mixed_bfloat16": (8e-3, 1e-4, 15 / ROWS),

@@ -33,12 +33,12 @@ pytestmark = [
                        reason="torch's own APIs (DataLoader, DCP, backward)"),
 ]
 
-BATCH = 64  # 600 rows: the last batch of an epoch holds 24
+BATCH = 64  # 280 rows: the last batch of an epoch holds 24
 
 
 @pytest.fixture(scope="module")
 def digits():
-    return digits_data(600, labels="int64")
+    return digits_data(280, labels="int64")
 
 
 def build(model_class=keras.Model, dropout=0.2):

@@ -29,10 +29,10 @@ pytestmark = [
                        reason="the fast path of the torch backend"),
 ]
 
-# 600 rows in batches of 64: the last batch holds 24, split over the
+# 280 rows in batches of 64: the last batch holds 24, split over the
 # batch axis too. A batch of 66 the axis does not divide: whole on every
 # process (DataParallel's data layout for it).
-ROWS, BATCH, UNDIVIDED = 600, 64, 66
+ROWS, BATCH, UNDIVIDED = 280, 64, 66
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,11 @@ pytestmark = [
                        reason="the data-parallel step of the torch backend"),
 ]
 
-# 600 rows in batches of 64 (split over 4 processes, 16 rows each), the
-# last batch 24 (6 each); 2 epochs: 20 steps, the first of each batch shape
+# 280 rows in batches of 64 (split over 4 processes, 16 rows each), the
+# last batch 24 (6 each); 2 epochs: 10 steps, the first of each batch shape
 # on DTensors.
-ROWS, BATCH, EPOCHS = 600, 64, 2
-STEPS, FIRST_STEPS = 20, 2
+ROWS, BATCH, EPOCHS = 280, 64, 2
+STEPS, FIRST_STEPS = 10, 2
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,8 @@
-"""`model.fit` under data, model and spatial parallelism matches one device."""
+"""`model.fit` under data, model and spatial parallelism matches one device.
+Data parallel `fit`, `evaluate` and `predict` with a short last batch, in
+every cell: the workflow matrix's keras-data-parallel row
+(tests/test_workflows.py); here, klm's `DataParallel` on a batch no device
+count divides."""
 
 import keras
 import numpy as np
@@ -21,7 +25,7 @@ from keras_layoutmap import backends
 
 pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
-EPOCHS = 3
+EPOCHS = 2
 BATCH = 128  # 1797 * 0.8 -> 1437 training rows: the last batch holds 29
 
 
@@ -57,17 +61,6 @@ def single(digits):
     model = build()
     history = train(model, digits)
     return model, history
-
-
-def test_data_parallel_matches_single_device(digits, single):
-    mesh = dp_mesh()
-    with klm.DataParallel(mesh).scope():
-        model = build()
-    history = train(model, digits)  # outside the scope: the model remembers
-    assert_same_history(history, single[1])
-    assert_same_weights(weights(model), weights(single[0]))
-    kernel = model.get_layer("d1").kernel
-    assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
 
 
 def test_model_parallel_matches_single_device(digits, single):
@@ -132,7 +125,9 @@ def test_short_batch_loss_and_gradients_exact(digits):
     mesh = dp_mesh()
     with klm.DataParallel(mesh).scope():
         model = compile_classifier(build())
-    logs = model.train_on_batch(x, y, return_dict=True)
+    logs = model.train_on_batch(x, y, return_dict=True)  # outside the scope
+    kernel = model.get_layer("d1").kernel  # the model remembers its plan
+    assert klm.fetch_layout(kernel) == klm.Layout.replicated(mesh, 2)
     for key in ref_logs:
         np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-6)
     assert_same_weights(weights(model), weights(reference))
