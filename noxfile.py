@@ -8,7 +8,7 @@ runs in as many workers as the machine has cores (pytest-xdist, at most 4).
 `tests-jax` and `tests-tensorflow` run every test with 8 virtual devices
 per worker, then the workflow matrix (tests/test_workflows.py) again under
 `python -m keras_layoutmap.launch -n 2 -m pytest`: 2 processes of 4
-devices, one mesh. `tests-torch` runs the tests twice: the tests that need
+devices (TensorFlow: of 2), one mesh. `tests-torch` runs the tests twice: the tests that need
 no mesh (and those that start processes of their own) in one process, then
 every sharding and training test (the matrix among them) under the launcher
 with 4 processes, each holding one device of the mesh and running each test
