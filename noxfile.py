@@ -3,19 +3,20 @@
 `nox` runs lint, the docs site build and the three test sessions, each on
 the supported Keras and then on Keras' next release, swapped into the same
 virtualenv (a subset: `NEXT_TESTS`, the workflow matrix among them;
-`tests-keras-next-*` run those alone). pytest
-runs in as many workers as the machine has cores (pytest-xdist, at most 4).
-`tests-jax` and `tests-tensorflow` run every test with 8 virtual devices
-per worker, then the workflow matrix (tests/test_workflows.py) again under
-`python -m keras_layoutmap.launch -n 2 -m pytest`: 2 processes of 4
-devices (TensorFlow: of 2), one mesh. `tests-torch` runs the tests twice: the tests that need
-no mesh (and those that start processes of their own) in one process, then
-every sharding and training test (the matrix among them) under the launcher
-with 4 processes, each holding one device of the mesh and running each test
-with the others (a torch mesh spans processes). Under the launcher `-x`
-ends the run at the first failure on any process (the launcher stops the
-others and prints the failing process's log), collectives time out after
-60 s, and every test after `LAUNCHED_TEST_TIMEOUT` seconds: nothing hangs.
+`tests-keras-next-*` run those alone). pytest runs in as many workers as
+the machine has cores (pytest-xdist, at most 4). `tests-jax` and
+`tests-tensorflow` run every test with 8 virtual devices per worker, then
+the workflow matrix (tests/test_workflows.py) again under `python -m
+keras_layoutmap.launch -n 2 -m pytest`: 2 processes of 4 devices
+(TensorFlow: of 2), one mesh. `tests-torch` runs the tests twice: the tests
+that need no mesh (and those that start processes of their own) in one
+process, then every sharding and training test (the matrix among them)
+under the launcher with 4 processes, each holding one device of the mesh
+and running each test with the others (a torch mesh spans processes). Under
+the launcher `-x` ends the run at the first failure on any process (the
+launcher stops the others and prints the failing process's log),
+collectives time out after 60 s, and every test after
+`LAUNCHED_TEST_TIMEOUT` seconds: nothing hangs.
 
 Sessions run on the interpreter nox itself runs on (`python=None`): no
 version pinned that a machine may lack. keras 3.15 (and jax 0.7+, numpy 2.3+)
