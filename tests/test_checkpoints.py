@@ -166,9 +166,9 @@ def test_one_file_weights_across_processes_and_a_value_that_differs(tmp_path):
     """`save_weights` / `load_weights` of one file on a mesh that spans
     processes: every process reads the file and places its own pieces of
     each value (JAX: no gather of the whole value from every process to
-    compare it), exact. JAX keeps its contract that a value placed from a
-    host is the same on every process: a value that differs is refused on
-    every process, naming the variable."""
+    compare it), exact. A value assigned from a host is the same on every
+    process (JAX's contract for a host value, kept on torch): one that
+    differs is refused on every process, naming the variable."""
     keras.distribution.set_distribution(keras_model_parallel_plan())
     try:
         saved = mlp()
@@ -184,8 +184,8 @@ def test_one_file_weights_across_processes_and_a_value_that_differs(tmp_path):
             assert klm.fetch_layout(got) == klm.fetch_layout(want), got.path
             np.testing.assert_array_equal(keras.ops.convert_to_numpy(got),
                                           keras.ops.convert_to_numpy(want))
-        if keras.backend.backend() != "jax":
-            return  # TensorFlow and torch place each process's own value
+        if keras.backend.backend() == "tensorflow":
+            return  # each process places its own value: not checked yet
         kernel = loaded.get_layer("d1").kernel
         mine = np.full(kernel.shape, klm.process_index(), "float32")
         with pytest.raises(ValueError, match=(

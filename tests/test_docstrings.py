@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
            "metrics", "placement", "processes", "initializers", "strict",
-           "keras_classes", "fsdp", "visualize", "zero"]
+           "keras_classes", "fsdp", "visualize", "zero", "same_value"]
 
 
 @pytest.mark.sharding

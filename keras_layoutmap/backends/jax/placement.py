@@ -9,13 +9,13 @@ import numpy as np
 from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
-    ValueDiffersAcrossProcesses,
     place_whole,
     set_cpu_devices,
     to_host,
 )
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import Mesh
+from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def configure_virtual_devices(n):

@@ -10,7 +10,6 @@ process order. Either way every step sees one global batch, so a short
 final batch (replicated by the distribution's data layout) is exact.
 """
 
-import zlib
 
 import jax
 import numpy as np
@@ -20,6 +19,7 @@ from keras_layoutmap import join_deadline
 from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.cluster import Cluster
 from keras_layoutmap.processes import devices_per_process
+from keras_layoutmap.same_value import check_same, digest
 
 MULTI_PROCESS = True
 
@@ -147,11 +147,6 @@ def global_array(host, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
-class ValueDiffersAcrossProcesses(ValueError):
-    """A value placed on a mesh that spans processes is not the same on
-    every process (JAX's contract for `device_put` of a host value)."""
-
-
 def place_whole(value, sharding):
     """`value`, whole on this process (a numpy array, or a jax.Array this
     process holds all of), placed by `sharding`, which spans processes:
@@ -163,20 +158,8 @@ def place_whole(value, sharding):
     0.35 s (2026-11-27; `load_weights` of a 1 GiB file took 35 s). The same
     check here compares a CRC-32 of each process's bytes (with the shape
     and dtype): one small gather. A value that differs raises
-    `ValueDiffersAcrossProcesses` on every process."""
+    `same_value.ValueDiffersAcrossProcesses` on every process."""
     host = np.asarray(value, order="C")  # 0-d stays 0-d
-    kind = repr((host.shape, str(host.dtype))).encode()
-    # int32 (JAX's default integers; a CRC-32 is 32 bits)
-    digest = np.asarray([zlib.crc32(host.reshape(-1).view(np.uint8)),
-                         zlib.crc32(kind)], np.uint32).view(np.int32)
-    every = np.asarray(multihost_utils.process_allgather(digest))
-    differ = [i for i, d in enumerate(every) if not np.array_equal(d, digest)]
-    if differ:
-        raise ValueDiffersAcrossProcesses(
-            f"A value of shape {host.shape} and dtype {host.dtype} placed on "
-            f"a mesh that spans {jax.process_count()} processes is not the "
-            f"same on every process: process {jax.process_index()}'s differs "
-            f"from process(es) {differ}'s. Each process places its own "
-            "pieces of the value it holds, so every process must pass the "
-            "same one (the same file, the same seed).")
+    every = np.asarray(multihost_utils.process_allgather(digest(host)))
+    check_same(every, jax.process_index(), host.shape, host.dtype)
     return global_array(host, sharding)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_layoutmap import join_deadline
+from keras_layoutmap import join_deadline, same_value
 from keras_layoutmap.backends.torch import devices
 from keras_layoutmap.processes import cluster_from_environment
 
@@ -192,6 +192,24 @@ def all_gather_rows(local):
     pieces = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(pieces, padded.contiguous())
     return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0).to(home)
+
+
+def check_same_everywhere(value):
+    """Raise `same_value.ValueDiffersAcrossProcesses` on every process
+    where `value`, a host tensor every process places on a mesh over all
+    of them, is not the same on every process (each keeps its own slice of
+    what it holds): a CRC-32 of each process's bytes, gathered."""
+    if not is_joined() or dist.get_world_size() == 1:
+        return
+    host = value.detach().cpu().contiguous()
+    kind = repr((tuple(host.shape), str(host.dtype)))
+    mine = torch.from_numpy(same_value.digest(
+        host.reshape(-1).view(torch.uint8).numpy(), kind))
+    mine = mine.to(devices.current()[2])  # NCCL takes GPU tensors only
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    same_value.check_same([e.cpu().numpy() for e in every], dist.get_rank(),
+                          tuple(host.shape), host.dtype)
 
 
 # -- saves called on some processes only ----------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_layoutmap.backends.torch import initialization
+from keras_layoutmap.backends.torch import initialization, processes
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     _placed,
@@ -19,6 +19,7 @@ from keras_layoutmap.backends.torch.placement import (
     to_layout,
 )
 from keras_layoutmap.layout import Layout, as_layout
+from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def _parameter(variable, value):
@@ -93,6 +94,7 @@ def wrap_direct_assign(original):
             return original(self, value)
         if not isinstance(value, DTensor):
             value = convert_to_tensor(value)
+            _check_same_everywhere(self, value, current)
         value = to_layout(value, as_layout(self._layout)
                           if getattr(self, "_layout", None) is not None
                           else _layout_of(current))
@@ -100,6 +102,20 @@ def wrap_direct_assign(original):
             current.to_local().copy_(value.to_local())
 
     return _direct_assign
+
+
+def _check_same_everywhere(variable, value, current):
+    """A host value assigned to a variable on a mesh over every process:
+    the same on each (each keeps its own slice of it), else an error on
+    every process naming the variable. (Training's own assignments are
+    DTensors; a variable made on some processes only makes no check.)"""
+    if current.device_mesh.size() != processes.world_size():
+        return
+    try:
+        processes.check_same_everywhere(value)
+    except ValueDiffersAcrossProcesses as e:
+        raise ValueDiffersAcrossProcesses(
+            f"Variable {variable.path!r}: {e}") from None
 
 
 def _layout_of(value):

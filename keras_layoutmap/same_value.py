@@ -1,0 +1,58 @@
+"""One value on every process: the contract of a host value placed on a
+mesh that spans processes.
+
+Each process places its own devices' pieces of the value it holds (no
+communication of the value itself), so every process must hold the same
+one: the same file, the same seed. A backend checks it by gathering a
+CRC-32 of each process's bytes (with the shape and dtype), a few bytes a
+process: `digest` makes it, `check_same` compares what the backend
+gathered and raises `ValueDiffersAcrossProcesses` on every process where
+they differ.
+
+    >>> import numpy as np
+    >>> mine = digest(np.arange(4, dtype="float32"))
+    >>> check_same([mine, mine], 0, (4,), "float32")
+    >>> try:
+    ...     check_same([mine, digest(np.zeros(4, "float32"))], 0, (4,),
+    ...                "float32")
+    ... except ValueDiffersAcrossProcesses as e:
+    ...     print(str(e)[:61])
+    A value of shape (4,) and dtype float32 placed on a mesh that
+"""
+
+import zlib
+
+import numpy as np
+
+
+class ValueDiffersAcrossProcesses(ValueError):
+    """A value placed on a mesh that spans processes is not the same on
+    every process."""
+
+
+def digest(host, kind=None):
+    """Two int32 of `host` (a C-contiguous numpy array, or raw bytes with
+    `kind`, a repr of its shape and dtype): the CRC-32 of its bytes and of
+    its shape and dtype (int32: JAX's default integers)."""
+    if kind is None:
+        host = np.ascontiguousarray(host)
+        kind = repr((host.shape, str(host.dtype)))
+        host = host.reshape(-1).view(np.uint8)
+    return np.asarray([zlib.crc32(host), zlib.crc32(kind.encode())],
+                      np.uint32).view(np.int32)
+
+
+def check_same(every, index, shape, dtype):
+    """Raise `ValueDiffersAcrossProcesses` where `every` (each process's
+    `digest`, in process order) differs from `every[index]`, this
+    process's."""
+    mine = np.asarray(every[index])
+    differ = [i for i, d in enumerate(every) if not np.array_equal(d, mine)]
+    if differ:
+        raise ValueDiffersAcrossProcesses(
+            f"A value of shape {tuple(shape)} and dtype {dtype} placed on a "
+            f"mesh that spans {len(every)} processes is not the same on every "
+            f"process: process {index}'s differs from process(es) {differ}'s. "
+            "Each process places its own pieces of the value it holds, so "
+            "every process must pass the same one (the same file, the same "
+            "seed).")
