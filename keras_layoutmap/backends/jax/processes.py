@@ -10,7 +10,6 @@ process order. Either way every step sees one global batch, so a short
 final batch (replicated by the distribution's data layout) is exact.
 """
 
-
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
