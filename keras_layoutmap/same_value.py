@@ -10,10 +10,12 @@ gathered and raises `ValueDiffersAcrossProcesses` on every process where
 they differ.
 
     >>> import numpy as np
-    >>> mine = digest(np.arange(4, dtype="float32"))
+    >>> def of(host):
+    ...     return digest(host.view(np.uint8), host.shape, host.dtype)
+    >>> mine = of(np.arange(4, dtype="float32"))
     >>> check_same([mine, mine], 0, (4,), "float32")
     >>> try:
-    ...     check_same([mine, digest(np.zeros(4, "float32"))], 0, (4,),
+    ...     check_same([mine, of(np.zeros(4, "float32"))], 0, (4,),
     ...                "float32")
     ... except ValueDiffersAcrossProcesses as e:
     ...     print(str(e)[:61])
@@ -30,15 +32,12 @@ class ValueDiffersAcrossProcesses(ValueError):
     every process."""
 
 
-def digest(host, kind=None):
-    """Two int32 of `host` (a C-contiguous numpy array, or raw bytes with
-    `kind`, a repr of its shape and dtype): the CRC-32 of its bytes and of
-    its shape and dtype (int32: JAX's default integers)."""
-    if kind is None:
-        host = np.ascontiguousarray(host)
-        kind = repr((host.shape, str(host.dtype)))
-        host = host.reshape(-1).view(np.uint8)
-    return np.asarray([zlib.crc32(host), zlib.crc32(kind.encode())],
+def digest(data, shape, dtype):
+    """Two int32 of a value: the CRC-32 of `data`, its bytes in C order (a
+    buffer: a numpy view as uint8, `bytes`), and of its `shape` and `dtype`
+    (int32: JAX's default integers)."""
+    kind = repr((tuple(shape), str(dtype))).encode()
+    return np.asarray([zlib.crc32(data), zlib.crc32(kind)],
                       np.uint32).view(np.int32)
 
 

@@ -159,6 +159,7 @@ def place_whole(value, sharding):
     and dtype): one small gather. A value that differs raises
     `same_value.ValueDiffersAcrossProcesses` on every process."""
     host = np.asarray(value, order="C")  # 0-d stays 0-d
-    every = np.asarray(multihost_utils.process_allgather(digest(host)))
+    mine = digest(host.reshape(-1).view(np.uint8), host.shape, host.dtype)
+    every = np.asarray(multihost_utils.process_allgather(mine))
     check_same(every, jax.process_index(), host.shape, host.dtype)
     return global_array(host, sharding)
