@@ -1,12 +1,18 @@
 import gc
 import hashlib
 import os
-import pathlib
 import re
-import tempfile
 
 import pytest
-from helpers import BACKEND, DEVICES, SHARDING, SPANS_PROCESSES, TRAINING, fake_mesh
+from helpers import (
+    BACKEND,
+    DEVICES,
+    SHARDING,
+    SPANS_PROCESSES,
+    TRAINING,
+    fake_mesh,
+    folder_every_rank_shares,
+)
 
 import keras_layoutmap as klm
 
@@ -68,13 +74,8 @@ if SPANS_PROCESSES:
         name = re.sub(r"[\W]", "_", request.node.name)[:30]
         if not _collective(request.node):
             return tmp_path_factory.mktemp(name, numbered=True)
-        # The ranks' common parent is the launcher; with its port it names
-        # the run.
-        run = f"klm-pytest-{os.getppid()}-{os.environ.get('MASTER_PORT', '0')}"
         test = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
-        path = pathlib.Path(tempfile.gettempdir(), run, f"{name}-{test}")
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return folder_every_rank_shares(f"{name}-{test}")
 
 
 _ONE_PROCESS_PER_DEVICE = (

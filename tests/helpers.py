@@ -6,14 +6,16 @@ starting Python in fresh processes.
 A plain module, not a fixture file (those are in conftest.py): a test file
 imports it as `from helpers import ...` (pytest puts tests/, which is no
 package, on `sys.path`), and so does a script a test starts in a fresh
-process (tests/workers/parity.py puts tests/ on its own path; a script
+process (tests/workers/scheduled.py puts tests/ on its own path; a script
 written at run time gets `TESTS` on its PYTHONPATH). Importing it touches no
 device: conftest.py, or the script, configures the devices first.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -60,6 +62,16 @@ FIT_PLANS = ("model_parallel",)
 # runs, else 1. True where a mesh spans them.
 PROCESSES = int(os.environ.get("WORLD_SIZE", "1"))
 SPANS_PROCESSES = PROCESSES > 1
+
+
+def folder_every_rank_shares(name):
+    """A folder of this run that every rank of it gets under `name` (the
+    ranks' common parent is the launcher; with its port it names the run),
+    as a user's script saves and loads one path on every rank."""
+    run = f"klm-pytest-{os.getppid()}-{os.environ.get('MASTER_PORT', '0')}"
+    path = pathlib.Path(tempfile.gettempdir(), run, name)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 # -- meshes -------------------------------------------------------------------

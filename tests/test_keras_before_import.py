@@ -1,12 +1,13 @@
 """A Keras distribution made (or even set) before `import keras_layoutmap`,
-as a script that imports Keras first does, then made current with a
-`set_distribution` it took before the import: it runs as klm's, with the
-final short batch exact. In a subprocess, each script a fresh Python, on
-JAX and TensorFlow with 8 CPU devices, on torch in 2 processes (one
-device each: the short last batch of 5 rows still splits unevenly). On JAX a
+as a script that imports Keras first does: one set before the import runs
+as klm's, and one made before the import, then made current with a
+`set_distribution` taken before the import, runs as klm's too, each with
+the final short batch exact. Both in one fresh Python (a subprocess), on
+JAX and TensorFlow with 8 CPU devices, on torch in 2 processes (one device
+each: the short last batch of 5 rows still splits unevenly). On JAX a
 Keras distribution made before the import starts JAX's devices (Keras
-asks `jax.process_count()`), so the 8 CPU devices come from `XLA_FLAGS`, as the error of
-`klm.configure_virtual_devices` says."""
+asks `jax.process_count()`), so the 8 CPU devices come from `XLA_FLAGS`, as
+the error of `klm.configure_virtual_devices` says."""
 
 import os
 import subprocess
@@ -22,16 +23,13 @@ import numpy as np
 from keras.distribution import DataParallel, DeviceMesh, set_distribution
 
 mesh = DeviceMesh((N,), ["batch"], devices=[f"cpu:{i}" for i in range(N)])
-distribution = DataParallel(device_mesh=mesh)
-if SET_BEFORE:
-    set_distribution(distribution)
+set_before = DataParallel(device_mesh=mesh)
+made_before = DataParallel(device_mesh=mesh)  # set after the import
+set_distribution(set_before)
 
 import keras_layoutmap as klm
 
 klm.configure_virtual_devices(N)
-if not SET_BEFORE:
-    set_distribution(distribution)  # Keras' own, taken before the import
-assert isinstance(keras.distribution.distribution(), klm.DataParallel)
 
 
 def run():
@@ -44,24 +42,34 @@ def run():
     return model, history.history["loss"], model.predict(x[:3], verbose=0)
 
 
-model, loss, predicted = run()
-assert klm.fetch_layout(model.layers[0].kernel).mesh.size == N
+# Set before the import: klm's distribution from the import on.
+assert isinstance(keras.distribution.distribution(), klm.DataParallel)
+runs = {"set before": run()}
+# Made before the import, set now with Keras' own `set_distribution`,
+# taken before the import.
+set_distribution(made_before)
+assert isinstance(keras.distribution.distribution(), klm.DataParallel)
+runs["made before"] = run()
+for name, (model, _, _) in runs.items():
+    assert klm.fetch_layout(model.layers[0].kernel).mesh.size == N, name
 set_distribution(None)
 _, single_loss, single_predicted = run()
-np.testing.assert_allclose(loss, single_loss, rtol=1e-5)
-np.testing.assert_allclose(predicted, single_predicted, rtol=1e-5, atol=1e-6)
-print("BEFORE IMPORT OK", loss)
+for name, (_, loss, predicted) in runs.items():
+    np.testing.assert_allclose(loss, single_loss, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(predicted, single_predicted, rtol=1e-5,
+                               atol=1e-6, err_msg=name)
+print("BEFORE IMPORT OK", {k: v[1] for k, v in runs.items()})
 '''
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("set_before", [False, True])
-def test_a_keras_distribution_made_before_the_import(tmp_path, set_before):
-    """On torch, 2 processes under the launcher (one device each)."""
+def test_a_keras_distribution_made_before_the_import(tmp_path):
+    """Both orders in one fresh Python (each such process imports Keras
+    and its backend anew: 7 to 25 s of the suite per backend); on torch,
+    2 processes under the launcher (one device each)."""
     torch = backends.name() == "torch"
     script = tmp_path / "script.py"
-    script.write_text(f"SET_BEFORE = {set_before}\nN = {2 if torch else 8}\n"
-                      + SCRIPT)
+    script.write_text(f"N = {2 if torch else 8}\n" + SCRIPT)
     command = [sys.executable, str(script)]
     if torch:
         command[1:1] = ["-m", "keras_layoutmap.launch", "-n", "2"]

@@ -1,20 +1,36 @@
-"""A mesh across processes: `python -m keras_layoutmap.launch -n 2` runs one
-script in two processes of 4 devices each, and training equals one device."""
+"""A mesh across processes: where a process finds its cluster; in nox's run
+of 2 processes (`python -m keras_layoutmap.launch -n 2 -m pytest`), each
+process trains with the other on one mesh and equals one device; scripts
+started in processes of their own (a join with no seed, a process that
+fails, a backup every process reads)."""
 
 import ast
-import json
-import pathlib
+import os
 
+import keras
 import numpy as np
 import pytest
-from helpers import as_launched_process, launch
+from helpers import (
+    BACKEND,
+    DEVICES,
+    PROCESSES,
+    as_launched_process,
+    compile_classifier,
+    digits_data,
+    folder_every_rank_shares,
+    launch,
+    net_layout_map,
+    sequential_mlp,
+)
 
 import keras_layoutmap as klm
-from keras_layoutmap import backends
 from keras_layoutmap.processes import Cluster, cluster_from_environment
 
-WORKERS = pathlib.Path(__file__).parent / "workers"
-MULTI_PROCESS = backends.name() in ("jax", "tensorflow")
+MULTI_PROCESS = BACKEND in ("jax", "tensorflow")  # several devices a process
+pytestmark_mp = pytest.mark.skipif(
+    not MULTI_PROCESS, reason="2 processes of several devices each: a torch "
+    "process holds one device; tests/test_torch_processes.py and the "
+    "4-process run of nox -s tests-torch check torch across processes")
 
 
 # -- where a process finds its cluster (backend-neutral) --------------------
@@ -50,13 +66,120 @@ def test_bad_cluster_environment_says_what_is_wrong(env, match):
 
 # -- several processes -----------------------------------------------------
 
+# Checked in nox's run of the workflow matrix in 2 processes (`python -m
+# keras_layoutmap.launch -n 2 -m pytest`, 4 devices each on JAX, 2 on
+# TensorFlow), where each process runs these tests with the other: no
+# process of their own to start (a TensorFlow process spends 10 s of CPU
+# importing it).
+ACROSS_TWO = pytest.mark.skipif(
+    not (MULTI_PROCESS and PROCESSES == 2),
+    reason="runs in nox's run of 2 processes (python -m keras_layoutmap."
+    "launch -n 2 -m pytest tests/test_processes.py), each holding half of "
+    "the mesh; on torch a process holds one device: "
+    "tests/test_torch_processes.py and the 4-process run of nox -s "
+    "tests-torch check torch across processes")
+BATCH = 64  # 200 rows: the last global batch of an epoch holds 8
+
+
+def _build():
+    return compile_classifier(sequential_mlp(32, 10, name="net"))
+
+
+def _train(model, x, y, batch):
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                        verbose=0).history
+    return {
+        "history": {k: [float(v) for v in vs] for k, vs in history.items()},
+        "evaluate": model.evaluate(x, y, batch_size=batch, verbose=0),
+        "predict": model.predict(x, batch_size=batch, verbose=0),
+        "weights": model.get_weights(),
+    }
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    result = launch(2, WORKERS / "parity.py", out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return out, ranks
+def parity():
+    """Trained here, in each of the 2 processes: one device (the
+    reference), then on the mesh of every process's devices model parallel
+    with the model axis across the processes, and data parallel with each
+    process passing its own rows; saved, loaded, and the rest of the
+    contract. Returns the folder the processes share and what this process
+    saw."""
+    out = folder_every_rank_shares("parity")
+    rank, count = klm.process_index(), klm.process_count()
+    x, y = digits_data(200)
+    reference = _train(_build(), x, y, BATCH)
+    # The model axis spans the processes: each "model" pair joins a device
+    # of process 0 with one of process 1. (Data parallel across processes,
+    # global data: the matrix's keras-data-parallel row, in its 2-process
+    # cells.)
+    mesh_mp = klm.create_mesh([("model", 2), ("batch", DEVICES // 2)])
+    layout_map = net_layout_map(mesh_mp, bias=False)
+    runs = {}
+    with layout_map.scope():
+        model_parallel = _build()
+    runs["model_parallel"] = _train(model_parallel, x, y, BATCH)
+    kernel = klm.fetch_layout(model_parallel.layers[0].kernel)
+    runs["model_parallel"]["kernel_layout"] = kernel.sharding_specs
+    runs["model_parallel"]["local_devices"] = kernel.mesh.num_local_devices()
+
+    # Each process passes its own slice, with a per-process batch size.
+    local = klm.DataParallel(klm.create_mesh([("batch", DEVICES)]),
+                             auto_shard_dataset=False)
+    klm.set_distribution(local)
+    rows = slice(rank * len(x) // count, (rank + 1) * len(x) // count)
+    own = _train(_build(), x[rows], y[rows], BATCH // count)
+    klm.set_distribution(None)
+    # The global batches are the processes' local batches side by side:
+    # the same global batches, in one process, are the reference.
+    per = len(x) // count
+    order = np.concatenate([
+        np.arange(p * per + start, p * per + min(start + BATCH // count, per))
+        for start in range(0, per, BATCH // count) for p in range(count)])
+    runs["own_slices"] = {**own, "reference": _train(_build(), x[order],
+                                                     y[order], BATCH)}
+    np.save(out / f"own_slices{rank}.npy",
+            np.concatenate([w.ravel() for w in own["weights"]]))
+
+    # One file written once, loadable on another mesh and on one device.
+    model_parallel.save_weights(out / "weights.weights.h5")
+    runs["files"] = sorted(os.listdir(out))
+    dp = klm.DataParallel(klm.create_mesh([("batch", DEVICES)]))
+    klm.set_distribution(dp)
+    restored = _build()
+    restored.load_weights(out / "weights.weights.h5")
+    runs["restored_data_parallel"] = restored.get_weights()
+    klm.set_distribution(None)
+
+    # The rest of the contract, unchanged across processes.
+    contract = {}
+    mesh = dp.device_mesh
+    layout = klm.Layout(["batch", None], mesh)
+    whole = np.arange(4 * DEVICES, dtype="float32").reshape(2 * DEVICES, 2)
+    pieces = klm.unpack(klm.distribute(whole, layout))  # this process's
+    contract["unpack"] = [np.asarray(p) for p in pieces]
+    repacked = klm.pack([np.asarray(p) for p in pieces], layout)
+    contract["repacked_layout"] = klm.fetch_layout(repacked).sharding_specs
+    contract["repacked_host"] = keras.ops.convert_to_numpy(repacked)
+    contract["explain_rules"] = sorted(
+        str(r.rule) for r in layout_map.explain(model_parallel).rows if r.rule)
+    metric = keras.metrics.Mean(mesh=mesh)
+    metric.update_state(np.arange(8, dtype="float32"))
+    contract["metric"] = float(metric.result())
+    contract["metric_mesh"] = klm.fetch_layout(metric.variables[0]).mesh.size
+    model_parallel.save(out / "model.keras")
+    loaded = keras.models.load_model(out / "model.keras")  # one device
+    contract["loaded_weights"] = loaded.get_weights()
+    contract["loaded_mesh"] = klm.fetch_layout(loaded.layers[0].kernel).mesh.size
+    if BACKEND == "tensorflow":  # DTensor's own checkpoints
+        import tensorflow as tf
+
+        prefix = str(out / "ckpt" / "model")
+        tf.train.Checkpoint(model=model_parallel).write(prefix)
+        with layout_map.scope():
+            fresh = _build()
+        tf.train.Checkpoint(model=fresh).read(prefix).expect_partial()
+        contract["checkpoint_weights"] = fresh.get_weights()
+    return out, {"reference": reference, "runs": runs, "contract": contract}
 
 
 def max_difference(a, b):
@@ -71,71 +194,62 @@ def assert_run_matches(run, weights, history):
                                    atol=1e-6, err_msg=key)
 
 
-pytestmark_mp = pytest.mark.skipif(
-    not MULTI_PROCESS, reason="2 processes of 4 devices each: a torch process "
-    "holds one device; tests/test_torch_processes.py and the 4-process run "
-    "of nox -s tests-torch check torch across processes")
-
-
-@pytest.mark.processes
-@pytestmark_mp
+@pytest.mark.sharding
+@pytest.mark.training
+@ACROSS_TWO
 def test_model_parallel_with_global_data_trains_as_one_device(parity):
     """Model parallel, the model axis across the processes (data parallel
     with global data across processes: the matrix's keras-data-parallel
     row in its 2-process cells)."""
-    _, ranks = parity
-    for rank in ranks:
-        assert rank["count"] == 2 and rank["devices"] == 8
-        run, reference = rank["runs"]["model_parallel"], rank["reference"]
-        assert_run_matches(run, reference["weights"], reference["history"])
-        np.testing.assert_allclose(run["evaluate"], reference["evaluate"],
-                                   rtol=1e-5)
-        # predict returns every row to every process
-        assert np.shape(run["predict"]) == np.shape(reference["predict"])
-        np.testing.assert_allclose(run["predict"], reference["predict"],
-                                   rtol=1e-5, atol=1e-5)
+    _, seen = parity
+    assert klm.process_count() == 2 and len(klm.list_devices()) == DEVICES
+    run, reference = seen["runs"]["model_parallel"], seen["reference"]
+    assert_run_matches(run, reference["weights"], reference["history"])
+    np.testing.assert_allclose(run["evaluate"], reference["evaluate"], rtol=1e-5)
+    # predict returns every row to every process
+    assert np.shape(run["predict"]) == np.shape(reference["predict"])
+    np.testing.assert_allclose(run["predict"], reference["predict"],
+                               rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.processes
-@pytestmark_mp
+@pytest.mark.sharding
+@pytest.mark.training
+@ACROSS_TWO
 def test_model_axis_spans_processes(parity):
-    _, ranks = parity
-    for rank in ranks:
-        run = rank["runs"]["model_parallel"]
-        assert run["kernel_layout"] == ["unsharded", "model"]
-        assert run["local_devices"] == 4
+    run = parity[1]["runs"]["model_parallel"]
+    assert run["kernel_layout"] == ["unsharded", "model"]
+    assert run["local_devices"] == DEVICES // 2
 
 
-@pytest.mark.processes
-@pytestmark_mp
+@pytest.mark.sharding
+@pytest.mark.training
+@ACROSS_TWO
 def test_own_slices_with_short_batches_train_as_one_device(parity):
     # Fault: a short last local batch silently desynchronised the processes.
-    _, ranks = parity
-    for rank in ranks:
-        run = rank["runs"]["own_slices"]
-        assert_run_matches(run, run["reference_weights"], run["reference_history"])
-    assert max_difference(ranks[0]["runs"]["own_slices"]["weights"],
-                          ranks[1]["runs"]["own_slices"]["weights"]) == 0
+    out, seen = parity
+    run = seen["runs"]["own_slices"]
+    reference = run["reference"]
+    assert_run_matches(run, reference["weights"], reference["history"])
+    # Both processes wrote theirs before the save every process takes part in.
+    first, second = (np.load(out / f"own_slices{r}.npy") for r in (0, 1))
+    np.testing.assert_array_equal(first, second)
 
 
-@pytest.mark.processes
-@pytestmark_mp
+@pytest.mark.sharding
+@pytest.mark.training
+@ACROSS_TWO
 def test_save_weights_writes_one_file_that_loads_on_another_mesh(parity):
-    out, ranks = parity
-    saved = json.loads((out / "files0.json").read_text())
-    assert saved.count("weights.weights.h5") == 1
-    assert not [f for f in saved if f.endswith(".h5") and f != "weights.weights.h5"]
-    for rank in ranks:
-        assert max_difference(rank["runs"]["restored_data_parallel"],
-                              rank["runs"]["model_parallel"]["weights"]) == 0
-    # ... and in this one process, with no distribution
-    import keras
-
+    out, seen = parity
+    runs = seen["runs"]
+    assert [f for f in runs["files"] if f.endswith(".h5")] == [
+        "weights.weights.h5"]
+    weights = runs["model_parallel"]["weights"]
+    assert max_difference(runs["restored_data_parallel"], weights) == 0
+    # ... and with no distribution, on one device
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, name="d1"),
                               keras.layers.Dense(10, name="d2")])
     model.load_weights(out / "weights.weights.h5")
-    assert max_difference(model.get_weights(),
-                          ranks[0]["runs"]["model_parallel"]["weights"]) == 0
+    assert max_difference(model.get_weights(), weights) == 0
 
 
 @pytest.mark.processes
@@ -186,7 +300,7 @@ def test_devices_that_do_not_spread_evenly_say_how_to_launch(monkeypatch):
         klm.configure_virtual_devices(8)
 
 
-@pytest.mark.skipif(backends.name() != "torch",
+@pytest.mark.skipif(BACKEND != "torch",
                     reason="JAX and TensorFlow put several devices in a process")
 def test_torch_needs_one_process_per_device(monkeypatch):
     as_launched_process(monkeypatch, 2, 0)  # `launch -n 2`, 8 devices asked
@@ -194,26 +308,28 @@ def test_torch_needs_one_process_per_device(monkeypatch):
         klm.configure_virtual_devices(8)
 
 
-@pytest.mark.processes
-@pytestmark_mp
+@pytest.mark.sharding
+@pytest.mark.training
+@ACROSS_TWO
 def test_rest_of_the_contract_runs_unchanged(parity):
-    out, ranks = parity
-    whole = np.arange(32, dtype="float32").reshape(16, 2)
-    for index, rank in enumerate(ranks):
-        contract = rank["contract"]
-        # unpack gives this process's devices' pieces, pack takes them back
-        mine = [whole[2 * d: 2 * d + 2] for d in range(4 * index, 4 * index + 4)]
-        np.testing.assert_array_equal(contract["unpack"], mine)
-        assert contract["repacked_layout"] == ["batch", "unsharded"]
-        np.testing.assert_array_equal(contract["repacked_host"], whole)
-        assert contract["explain_rules"] == ["d1\\.kernel", "d2\\.kernel"]
-        assert contract["metric"] == 3.5 and contract["metric_mesh"] == 8
-        # model.save on every process: one file, loads with no distribution
-        weights = rank["runs"]["model_parallel"]["weights"]
-        assert max_difference(contract["loaded_weights"], weights) == 0
-        assert contract["loaded_mesh"] == 1
-        if backends.name() == "tensorflow":  # tf.train.Checkpoint
-            assert max_difference(contract["checkpoint_weights"], weights) == 0
+    out, seen = parity
+    contract, index = seen["contract"], klm.process_index()
+    whole = np.arange(4 * DEVICES, dtype="float32").reshape(2 * DEVICES, 2)
+    # unpack gives this process's devices' pieces, pack takes them back
+    local = DEVICES // 2
+    mine = [whole[2 * d: 2 * d + 2]
+            for d in range(local * index, local * index + local)]
+    np.testing.assert_array_equal(contract["unpack"], mine)
+    assert contract["repacked_layout"] == ["batch", "unsharded"]
+    np.testing.assert_array_equal(contract["repacked_host"], whole)
+    assert contract["explain_rules"] == ["d1\\.kernel", "d2\\.kernel"]
+    assert contract["metric"] == 3.5 and contract["metric_mesh"] == DEVICES
+    # model.save on every process: one file, loads with no distribution
+    weights = seen["runs"]["model_parallel"]["weights"]
+    assert max_difference(contract["loaded_weights"], weights) == 0
+    assert contract["loaded_mesh"] == 1
+    if BACKEND == "tensorflow":  # tf.train.Checkpoint
+        assert max_difference(contract["checkpoint_weights"], weights) == 0
     assert (out / "model.keras").is_file()
 
 
