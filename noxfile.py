@@ -6,7 +6,8 @@ virtualenv (a subset: `NEXT_TESTS`, the workflow matrix among them;
 `tests-keras-next-*` run those alone). pytest runs in as many workers as
 the machine has cores (pytest-xdist, at most 4). `tests-jax` and
 `tests-tensorflow` run every test with 8 virtual devices per worker, then
-the workflow matrix (tests/test_workflows.py) again under `python -m
+the workflow matrix (tests/test_workflows.py), with the checkpoints' and
+test_processes.py's tests across processes, under `python -m
 keras_layoutmap.launch -n 2 -m pytest`: 2 processes of 4 devices
 (TensorFlow: of 2), one mesh. `tests-torch` runs the tests twice: the tests
 that need no mesh (and those that start processes of their own) in one
@@ -80,6 +81,10 @@ MESH_TESTS = "sharding or training"
 # start processes of their own, `processes`, run in the one-process run).
 MATRIX = "tests/test_workflows.py"
 CHECKPOINTS = "tests/test_checkpoints.py"
+# Training across 2 processes as one device, each process running the tests
+# with the other (on Keras 3.15; keras-nightly's multi-process cells are
+# the matrix's): no processes of their own to start.
+ACROSS_PROCESSES = "tests/test_processes.py"
 MATRIX_PROCESSES = 2
 # The devices of the matrix's run in several processes, where not 8 (4 in
 # each process). TensorFlow: 4, 2 in each process, a (2, 2) mesh whose
@@ -163,12 +168,12 @@ def _to_keras_next(session):
 #   times faster. DTensor's SPMD expansion, where its layout rules and
 #   refusals live, is a pass of its own (the TensorFlow-specific tests and
 #   the layer zoo's refusals give the same results with grappler off).
-#   The matrix's run in 2 processes too, so that it compares with the
-#   one-device numbers the one-process run computed. Every process a test
-#   starts keeps it on, as users do: the examples (the DTensor tutorial
-#   among them), the README's snippet, the launcher's and the schedulers'
-#   jobs, test_processes.py's worker that trains model parallel across 2
-#   processes.
+#   The run in 2 processes too (the matrix, so that it compares with the
+#   one-device numbers the one-process run computed, and test_processes.py's
+#   training across them). Every process a test starts keeps it on, as
+#   users do: the examples (the DTensor tutorial among them), the README's
+#   snippet, the launcher's jobs and the schedulers' (whose SLURM job
+#   trains model parallel across 2 processes).
 # - TensorFlow, every run and the processes its tests start: one thread
 #   for TensorFlow's inter-op and one for its intra-op pool. The tests'
 #   tensors are tiny, and 2 pytest workers (or 2 launched processes) share
@@ -266,9 +271,13 @@ def _run_tests(session, backend, tests=()):
         else:
             _pytest(session, backend, *tests)
         paths = _paths(tests)
-        if not paths or any(t.startswith(MATRIX) for t in paths):
+        launched = [MATRIX, CHECKPOINTS] if not paths or any(
+            t.startswith(MATRIX) for t in paths) else []
+        if not paths or any(t.startswith(ACROSS_PROCESSES) for t in paths):
+            launched.append(ACROSS_PROCESSES)
+        if launched:
             devices = MATRIX_DEVICES.get(backend)
-            _launched(session, backend, MATRIX_PROCESSES, MATRIX, CHECKPOINTS,
+            _launched(session, backend, MATRIX_PROCESSES, *launched,
                       "-m", "not processes",
                       **({"KLM_TEST_DEVICES": str(devices)} if devices else {}))
         return
