@@ -4,42 +4,56 @@ import os
 import re
 
 import pytest
-from helpers import (
-    BACKEND,
-    DEVICES,
-    SHARDING,
-    SPANS_PROCESSES,
-    TRAINING,
-    fake_mesh,
-    folder_every_rank_shares,
-)
 
-import keras_layoutmap as klm
+# As helpers.SPANS_PROCESSES (not imported here: see pytest_configure).
+SPANS_PROCESSES = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
-# The first call after import, as a user script does (the run's device
-# count, and why: helpers.py).
-if BACKEND == "torch":
-    if DEVICES > 1:
+
+def _runs_no_test(config):
+    """pytest-xdist's controller: it starts the workers, which collect and
+    run every test, and gathers their reports."""
+    return (not hasattr(config, "workerinput")
+            and not config.getoption("collectonly")
+            and config.getoption("dist", "no") != "no"
+            and bool(config.getoption("tx", None)))
+
+
+def pytest_configure(config):
+    """Keras and the backend, with the run's devices, in every process that
+    runs tests (before any test module is imported). Not in xdist's
+    controller: importing them there took 5 to 11 s of one core (the other
+    idle) before a worker started, at each pytest run of nox's sessions."""
+    if _runs_no_test(config):
+        return
+    from helpers import BACKEND, DEVICES, SHARDING
+
+    import keras_layoutmap as klm
+
+    # The first call after import, as a user script does (the run's device
+    # count, and why: helpers.py).
+    if BACKEND == "torch":
+        if DEVICES > 1:
+            klm.configure_virtual_devices(DEVICES)
+    elif SHARDING:
         klm.configure_virtual_devices(DEVICES)
-elif SHARDING:
-    klm.configure_virtual_devices(DEVICES)
 
-import keras  # noqa: E402
+    # KLM_TEST_FAST_GRAPHS=1 (nox's TensorFlow pytest runs, one process and
+    # the matrix's two): TensorFlow's graph optimizer (grappler) is off in
+    # this process, about 1.6 times faster on this suite's tests. DTensor's
+    # SPMD expansion (its layout rules and refusals) is a pass of its own;
+    # every comparison is one function against another built alike.
+    # Processes that tests start keep it on, as users do (noxfile.py, FAST).
+    if BACKEND == "tensorflow" and os.environ.get("KLM_TEST_FAST_GRAPHS") == "1":
+        import tensorflow as tf
 
-# KLM_TEST_FAST_GRAPHS=1 (nox's TensorFlow pytest runs, one process and
-# the matrix's two): TensorFlow's graph optimizer (grappler) is off in this
-# process, about 1.6 times faster on this suite's tests. DTensor's SPMD
-# expansion (its layout rules and refusals) is a pass of its own; every
-# comparison is one function against another built alike. Processes that
-# tests start keep it on, as users do (noxfile.py, FAST).
-if BACKEND == "tensorflow" and os.environ.get("KLM_TEST_FAST_GRAPHS") == "1":
-    import tensorflow as tf
-
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+        tf.config.optimizer.set_experimental_options(
+            {"disable_meta_optimizer": True})
 
 
 @pytest.fixture
 def mesh_2d():
+    from helpers import fake_mesh
+
     return fake_mesh([("batch", 4), ("model", 2)])
 
 
@@ -53,6 +67,10 @@ def _clean_state():
     # (`gc.freeze()`), so that the next collection walks only what a test
     # made. Measured on 87 JAX tests: 1,752 objects frozen then dropped, a
     # few MB; the collection no longer costs a test anything.
+    import keras
+
+    import keras_layoutmap as klm
+
     keras.backend.clear_session()
     gc.freeze()
     klm.set_distribution(None)
@@ -74,6 +92,8 @@ if SPANS_PROCESSES:
         name = re.sub(r"[\W]", "_", request.node.name)[:30]
         if not _collective(request.node):
             return tmp_path_factory.mktemp(name, numbered=True)
+        from helpers import folder_every_rank_shares
+
         test = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
         return folder_every_rank_shares(f"{name}-{test}")
 
@@ -85,6 +105,8 @@ _ONE_PROCESS_PER_DEVICE = (
 
 
 def pytest_collection_modifyitems(config, items):
+    from helpers import BACKEND, DEVICES, SHARDING, TRAINING
+
     for item in items:
         processes = "processes" in item.keywords
         if processes and SPANS_PROCESSES:
