@@ -25,9 +25,16 @@ def pytest_configure(config):
     idle) before a worker started, at each pytest run of nox's sessions."""
     if _runs_no_test(config):
         return
-    from helpers import BACKEND, DEVICES, SHARDING
+    import sys
 
-    import keras_layoutmap as klm
+    import keras_layoutmap as klm  # a plain import, before any use
+    from keras_layoutmap import initializers, layer_kwargs
+
+    config.klm_plain_import = {  # test_devices_launch.py reads it
+        "keras imported": "keras" in sys.modules,
+        "layer kwargs": layer_kwargs._INSTALLED,
+        "initializers": initializers._INSTALLED}
+    from helpers import BACKEND, DEVICES, SHARDING
 
     # The first call after import, as a user script does (the run's device
     # count, and why: helpers.py).

@@ -164,20 +164,22 @@ def test_weights_are_not_allocated(workdir):
     (embed,) = model.weights
     assert tuple(embed.shape) == (1 << 20, 1024)
     assert embed._value is None  # deferred: no memory behind it
-    # and the same in a fresh process, through the package's `__main__` as
-    # `python -m keras_layoutmap explain ... --strict` runs it (runpy, as
-    # `-m` does), measured: 4 GiB of weights, well under 1.5 GiB of memory
-    # (TensorFlow's runtime alone takes 0.7 to 1.05 GiB here, seen over 1
-    # GiB in a fresh clone's nox; allocated, the weights would add 4), on a
-    # mesh of 8 devices, more than a fresh process has.
-    # A plain import (no launcher) installs everything at once, before
-    # any use of the package.
+    # and the same in a fresh process, as `python -m keras_layoutmap
+    # explain ... --strict` runs it: Python imports the package while it
+    # locates `-m keras_layoutmap` (light: no Keras yet), then runs its
+    # `__main__` (runpy, as `-m` does), whose first use of a public name
+    # completes the import, installs included. Measured: 4 GiB of weights,
+    # well under 1.5 GiB of memory (TensorFlow's runtime alone takes 0.7 to
+    # 1.05 GiB here, seen over 1 GiB in a fresh clone's nox; allocated, the
+    # weights would add 4), on a mesh of 8 devices, more than a fresh
+    # process has. (A plain import installs everything at once: conftest.py
+    # checks it in each test process, test_a_plain_import_installs_all.)
     code = textwrap.dedent('''
         import resource, runpy, sys
+        sys.argv[0] = "-m"  # as while `python -m keras_layoutmap` locates it
+        sys.orig_argv = [sys.executable, "-m", "keras_layoutmap"]
         import keras_layoutmap as klm
-        assert "keras" in sys.modules, "a plain import stayed light"
-        from keras_layoutmap import initializers, layer_kwargs
-        assert layer_kwargs._INSTALLED and initializers._INSTALLED
+        assert "keras" not in sys.modules, "locating the tool imported keras"
         sys.argv = ["keras_layoutmap", "explain", "klm_builders:huge",
                     "--mesh", "batch=2,model=4", "--json", "--rules", "r.toml",
                     "--strict"]
@@ -187,6 +189,8 @@ def test_weights_are_not_allocated(workdir):
             status = 0
         except SystemExit as exit:
             status = exit.code
+        from keras_layoutmap import initializers, layer_kwargs
+        assert layer_kwargs._INSTALLED and initializers._INSTALLED
         print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         sys.exit(status)
     ''')
