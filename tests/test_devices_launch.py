@@ -148,27 +148,25 @@ def test_mesh_accepts_numpy_integer_sizes():
     assert mesh.shape == (1,) and type(mesh.shape[0]) is int
 
 
-def _python(tmp_path, code_or_args, block_keras):
-    """Run Python with `keras` made unimportable when `block_keras`."""
+def _python_without_keras(tmp_path, args):
+    """Run `python ARGS...` with `keras` made unimportable."""
     import os
 
+    fake = tmp_path / "blocked"
+    (fake / "keras").mkdir(parents=True)
+    (fake / "keras" / "__init__.py").write_text(
+        "raise ImportError('keras imported')\n")
     env = dict(os.environ)
-    paths = [os.getcwd(), env.get("PYTHONPATH", "")]
-    if block_keras:
-        fake = tmp_path / "blocked"
-        (fake / "keras").mkdir(parents=True)
-        (fake / "keras" / "__init__.py").write_text(
-            "raise ImportError('keras imported')\n")
-        paths.insert(0, str(fake))
+    paths = [str(fake), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    return subprocess.run([sys.executable, *code_or_args], env=env,
+    return subprocess.run([sys.executable, *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.processes
 def test_launch_help_imports_no_keras_and_documents_its_arguments(tmp_path):
-    result = _python(tmp_path, ["-m", "keras_layoutmap.launch", "--help"],
-                     block_keras=True)
+    result = _python_without_keras(
+        tmp_path, ["-m", "keras_layoutmap.launch", "--help"])
     assert result.returncode == 0, result.stderr
     assert "how many processes to start" in result.stdout
     assert "the Python script each process runs" in result.stdout
