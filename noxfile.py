@@ -85,6 +85,9 @@ CHECKPOINTS = "tests/test_checkpoints.py"
 # with the other (on Keras 3.15; keras-nightly's multi-process cells are
 # the matrix's): no processes of their own to start.
 ACROSS_PROCESSES = "tests/test_processes.py"
+# Saves called on some processes only (`if rank == 0:`): refused at once by
+# a handshake outside any collective, or saved alone (Keras 3.15).
+SOME_PROCESSES = "tests/test_saves_on_some_processes.py"
 MATRIX_PROCESSES = 2
 # The devices of the matrix's run in several processes, where not 8 (4 in
 # each process). TensorFlow: 4, 2 in each process, a (2, 2) mesh whose
@@ -273,8 +276,9 @@ def _run_tests(session, backend, tests=()):
         paths = _paths(tests)
         launched = [MATRIX, CHECKPOINTS] if not paths or any(
             t.startswith(MATRIX) for t in paths) else []
-        if not paths or any(t.startswith(ACROSS_PROCESSES) for t in paths):
-            launched.append(ACROSS_PROCESSES)
+        for own in (ACROSS_PROCESSES, SOME_PROCESSES):
+            if not paths or any(t.startswith(own) for t in paths):
+                launched.append(own)
         if launched:
             devices = MATRIX_DEVICES.get(backend)
             _launched(session, backend, MATRIX_PROCESSES, *launched,

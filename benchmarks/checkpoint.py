@@ -18,8 +18,10 @@ held just before (sampled every 5 ms from /proc/self/statm: `ru_maxrss`
 would hide a peak below the one the build reached). Process 0 prints every
 process's figures.
 
-Goal (issue 32): the sharded save adds, per process, at most that
-process's own shards plus one weight's shard (here 256 + 64 MiB). A save
+Goals (issue 32): the sharded save adds, per process, at most that
+process's own shards plus one weight's shard (here 256 + 64 MiB); the
+one-file save adds to process 0 at most twice the largest weight (512 MiB),
+to every other process at most one weight's shard (64 MiB). A save
 in the background (`save_on_background=True`, Keras' default) first copies
 the process's shards (training goes on changing them), so it holds them
 twice until written.
@@ -140,6 +142,17 @@ def report(out):
     print(f"\nOrbaxCheckpoint save: at most {worst / MIB:.0f} MiB added per "
           f"process; goal <= own shards + one weight's shard = "
           f"{goal / MIB:.0f} MiB: {'met' if worst <= goal else 'NOT met'}")
+    # The one-file save streams (keras_layoutmap/one_writer.py): process 0
+    # receives one weight at a time, the others send their pieces of it.
+    weight = model // LAYERS
+    name = "save_weights (one file)"
+    writer = results[0]["figures"][name]["added"]
+    others = max(r["figures"][name]["added"] for r in results[1:])
+    print(f"save_weights (one file): process 0 added {writer / MIB:.0f} MiB; "
+          f"goal <= twice the largest weight = {2 * weight / MIB:.0f} MiB: "
+          f"{'met' if writer <= 2 * weight else 'NOT met'}. The others added "
+          f"at most {others / MIB:.0f} MiB; goal <= one weight's shard = "
+          f"{shard / MIB:.0f} MiB: {'met' if others <= shard else 'NOT met'}")
 
 
 def main():

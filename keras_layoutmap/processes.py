@@ -45,7 +45,7 @@ import tempfile
 
 import numpy as np
 
-from keras_layoutmap import backends, join_deadline, schedulers
+from keras_layoutmap import backends, join_deadline, one_writer, schedulers
 from keras_layoutmap.cluster import Cluster  # noqa: F401 (a public name here)
 
 
@@ -338,9 +338,10 @@ def _call_on_every_process(save, filepath):
 
 def _one_writer(save):
     """`model.save_weights` / `model.save` called on every process write one
-    file: process 0 writes it, the others (which must still take part in
-    gathering the sharded values) write to a scratch file that is deleted;
-    every process returns once the file is complete.
+    file: process 0 writes it; the others send it their pieces of each
+    sharded value, one value at a time (`one_writer`), and write a scratch
+    file without values that is deleted; every process returns once the
+    file is complete.
 
     Called on some processes only (`if rank == 0: model.save_weights(path)`),
     where the backend can tell (torch: `enter_together`, a handshake outside
@@ -360,10 +361,12 @@ def _one_writer(save):
                 return save(self, filepath, *args, **kwargs)
             raise _call_on_every_process(save, filepath)
         if backend.process_index() == 0:
-            result = save(self, filepath, *args, **kwargs)
+            with one_writer.writing(writer=True):
+                result = save(self, filepath, *args, **kwargs)
         else:
             name = os.path.basename(str(filepath))
-            with tempfile.TemporaryDirectory() as scratch:
+            with tempfile.TemporaryDirectory() as scratch, \
+                    one_writer.writing(writer=False):
                 result = save(self, os.path.join(scratch, name), *args, **kwargs)
         backend.barrier(f"klm_{save.__name__}")
         return result

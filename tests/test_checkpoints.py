@@ -159,6 +159,56 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(tmp_path):
                                   np.zeros(3, "float32"))
 
 
+def _split_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(8, name="a"),
+        keras.layers.Dense(4, name="b", dtype="bfloat16"),
+    ])
+
+
+@pytest.mark.skipif(PROCESSES == 1, reason="needs several processes (the "
+                    "launcher's): in one process every value is whole here")
+@pytest.mark.training  # every process of a run, together
+def test_one_file_save_brings_each_value_to_process_0_alone(tmp_path,
+                                                          monkeypatch):
+    """`save_weights` across processes streams: each kernel, split over
+    both mesh axes (so over the processes), comes to process 0 alone,
+    which gets it whole; every other process sends its pieces and gets a
+    placeholder, never the whole value. The file holds every value bit
+    for bit (bfloat16 included)."""
+    from keras_layoutmap import one_writer
+
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+    rules = klm.LayoutMap(mesh)
+    rules[r".*kernel"] = ("batch", "model")
+    with rules.scope():
+        model = _split_model()
+    assert klm.fetch_layout(model.get_layer("b").kernel).axes == (
+        "batch", "model")
+    received, results = one_writer.received, []
+
+    def spy(whole, shape, dtype):
+        result = received(whole, shape, dtype)
+        results.append(one_writer.is_placeholder(result))
+        return result
+
+    monkeypatch.setattr(one_writer, "received", spy)
+    path = str(tmp_path / "split.weights.h5")
+    model.save_weights(path)
+    monkeypatch.undo()
+    # the two kernels (on JAX the biases too: held whole by every process,
+    # they are still arrays over every process's devices)
+    assert len(results) == (4 if keras.backend.backend() == "jax" else 2)
+    assert all(results) if klm.process_index() else not any(results)
+    plain = _split_model()  # no plan: one device, other weights
+    plain.load_weights(path)
+    for got, want in zip(plain.weights, model.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got),
+                                      keras.ops.convert_to_numpy(want))
+
+
 @pytest.mark.skipif(PROCESSES == 1, reason="needs several processes (the "
                     "launcher's): in one process every value is whole here")
 @pytest.mark.training  # every process of a run, together

@@ -7,7 +7,8 @@ import pytest
 
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
            "metrics", "placement", "processes", "initializers", "strict",
-           "keras_classes", "fsdp", "visualize", "zero", "same_value"]
+           "keras_classes", "fsdp", "visualize", "zero", "same_value",
+           "one_writer"]
 
 
 @pytest.mark.sharding

@@ -2,13 +2,16 @@
 
 One concern a module: `placement` (devices, meshes, layouts, tensors,
 variables, host reads), `initialization` (weights born sharded),
-`training` (the trainer hooks) and `processes` (`jax.distributed`). This
+`training` (the trainer hooks), `processes` (`jax.distributed`),
+`handshakes` (saves called on some processes only) and `writer_transfers`
+(one-file saves streamed to process 0). This
 module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
 
 from keras_layoutmap.backends.jax import initialization, placement, training
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
+from keras_layoutmap.backends.jax.handshakes import enter_together  # noqa: F401
 from keras_layoutmap.backends.jax.placement import (  # noqa: F401
     configure_virtual_devices,
     device_bytes,

@@ -198,7 +198,10 @@ def wrap_convert_to_numpy(original):
     def convert_to_numpy(x):
         if isinstance(x, keras_jax.Variable):
             x = x.value
-        return original(to_host(x))
+        host = to_host(x)
+        if host is not x and isinstance(host, np.ndarray):
+            return host  # gathered here already: Keras' copy would be a second
+        return original(host)
 
     return convert_to_numpy
 

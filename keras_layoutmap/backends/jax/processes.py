@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_layoutmap import join_deadline
-from keras_layoutmap.backends.jax import devices
+from keras_layoutmap import join_deadline, one_writer
+from keras_layoutmap.backends.jax import devices, writer_transfers
 from keras_layoutmap.cluster import Cluster
 from keras_layoutmap.processes import devices_per_process
 from keras_layoutmap.same_value import check_same, digest
@@ -119,8 +119,12 @@ def barrier(name):
 
 def to_host(value):
     """A jax.Array as one numpy array, gathered from every process if this
-    process does not hold all of it."""
+    process does not hold all of it (during a one-file save, on process 0
+    alone: `one_writer`)."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        if one_writer.active():  # a one-file save: to process 0 alone
+            return one_writer.received(writer_transfers.send_to_writer(value),
+                                       value.shape, value.dtype)
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return value
 

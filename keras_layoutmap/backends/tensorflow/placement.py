@@ -7,7 +7,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow import devices
+from keras_layoutmap import one_writer
+from keras_layoutmap.backends.tensorflow import devices, writer_transfers
 from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow.processes import (
     device_spec,
@@ -257,10 +258,16 @@ def runs_on_mesh(*values):
 
 def to_host(x):
     """A DTensor output as one plain tensor on the host (an all-gather if it
-    is sharded); anything else as it is."""
+    is sharded); anything else as it is. During a one-file save across
+    processes (`one_writer`), a value sharded over processes goes to
+    process 0 alone, as numpy (a placeholder on the other processes)."""
     if not (tf.is_tensor(x) and is_dtensor(x)):
         return x
     layout = dtensor.fetch_layout(x)
     if not layout.is_fully_replicated():
+        if one_writer.active() and process_count() > 1:
+            return one_writer.received(
+                writer_transfers.send_to_writer(x, layout),
+                tuple(int(d) for d in x.shape), x.dtype.as_numpy_dtype)
         x = dtensor.relayout(x, dtensor.Layout.replicated(layout.mesh, layout.rank))
     return tf.identity(dtensor.unpack(x)[0])

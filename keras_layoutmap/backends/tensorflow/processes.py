@@ -167,12 +167,17 @@ def process_mesh():
 _PROCESS_MESH = []
 
 
+def shared_process_mesh():
+    """`process_mesh()`, made once."""
+    if not _PROCESS_MESH:
+        _PROCESS_MESH.append(process_mesh())
+    return _PROCESS_MESH[0]
+
+
 def gather_process_batches(local_batch):
     """Every process's batch, concatenated in process order, on every
     process (batches may differ in length)."""
-    if not _PROCESS_MESH:
-        _PROCESS_MESH.append(process_mesh())
-    mesh = _PROCESS_MESH[0]
+    mesh = shared_process_mesh()
     local_batch = np.asarray(local_batch)
     sizes = _allgather(mesh, np.asarray([local_batch.shape[0]], np.int64))
     longest = int(sizes.max())
@@ -194,6 +199,4 @@ def _allgather(mesh, value):
 
 def barrier(name):
     if _STATE["clients"] > 1:
-        if not _PROCESS_MESH:
-            _PROCESS_MESH.append(process_mesh())
-        dtensor.barrier(_PROCESS_MESH[0], barrier_name=name)
+        dtensor.barrier(shared_process_mesh(), barrier_name=name)

@@ -98,8 +98,10 @@ def wrap_numpy(original):
     def numpy(self):
         if getattr(self, "_layout", None) is None or not is_dtensor(self._value):
             return original(self)
-        # A sharded DVariable has no single value on the host: gather it.
-        return to_host(self._value.read_value()).numpy()
+        # A sharded DVariable has no single value on the host: gather it
+        # (a one-file save: to process 0 alone, as numpy already).
+        host = to_host(self._value.read_value())
+        return host if isinstance(host, np.ndarray) else host.numpy()
 
     return numpy
 
@@ -109,6 +111,8 @@ def wrap_convert_to_numpy(original):
     def convert_to_numpy(x):
         if isinstance(x, tf.Tensor) and is_dtensor(x):
             x = to_host(x)  # a sharded DTensor has no single host value
+            if isinstance(x, np.ndarray):
+                return x  # a one-file save's: Keras' copy would be a second
         return original(x)
 
     return convert_to_numpy

@@ -17,7 +17,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_layoutmap.backends.torch import processes
+from keras_layoutmap import one_writer
+from keras_layoutmap.backends.torch import processes, writer_transfers
 from keras_layoutmap.backends.torch.keras_internals import Variable, convert_to_tensor
 from keras_layoutmap.mesh import Mesh
 
@@ -178,10 +179,16 @@ def from_global(value, layout, requires_grad=False):
 
 def to_host(value):
     """A plain tensor holding the whole value (every process takes part
-    when a DTensor is sharded)."""
+    when a DTensor is sharded). During a one-file save across processes
+    (`one_writer`), a sharded value goes to process 0 alone: numpy there,
+    a placeholder on the other processes."""
     if isinstance(value, DTensor):
         if all(isinstance(p, Replicate) for p in value.placements):
             return value.to_local()
+        if one_writer.active() and processes.world_size() > 1:
+            return one_writer.received(  # to process 0 alone, as numpy
+                writer_transfers.send_to_writer(value), tuple(value.shape),
+                writer_transfers.numpy_dtype(value.dtype))
         return value.full_tensor()
     return value
 
@@ -319,6 +326,9 @@ def wrap_convert_to_numpy(original):
         x = _torch_value(x)
         if isinstance(x, (list, tuple)):
             x = type(x)(to_host(_torch_value(e)) for e in x)
-        return original(to_host(x))
+        host = to_host(x)
+        if isinstance(host, np.ndarray) and host is not x:
+            return host  # a one-file save's: Keras' copy would be a second
+        return original(host)
 
     return convert_to_numpy

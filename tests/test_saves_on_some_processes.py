@@ -15,8 +15,20 @@ from keras_layoutmap import backends
 pytestmark = [pytest.mark.sharding, pytest.mark.training]
 
 needs_processes = pytest.mark.skipif(
-    not SPANS_PROCESSES, reason="needs a mesh that spans processes (torch "
-    "under the launcher); one process holds every device elsewhere")
+    not SPANS_PROCESSES, reason="needs a mesh that spans processes (the "
+    "launcher's); one process holds every device elsewhere")
+needs_a_handshake = pytest.mark.skipif(
+    backends.name() == "tensorflow", reason="TensorFlow has no handshake "
+    "outside collectives yet (torch: its rendezvous store; JAX: its "
+    "coordination service's): a save on some processes only waits in "
+    "DTensor's first collective")
+
+
+@pytest.fixture(autouse=True)
+def _short_handshake(monkeypatch):
+    # The processes meet at a barrier before each save of these tests: 2 s
+    # is plenty, and a save on process 0 only waits that long.
+    monkeypatch.setenv("KLM_SAVE_HANDSHAKE_TIMEOUT", "2")
 
 
 def build(seed=0):
@@ -42,6 +54,7 @@ def assert_loads_equal(path, model):
 
 
 @needs_processes
+@needs_a_handshake
 def test_sharded_save_on_process_0_only_fails_at_once(tmp_path):
     with sharded_map(mp_mesh()).scope():
         model = build()
@@ -60,6 +73,7 @@ def test_sharded_save_on_process_0_only_fails_at_once(tmp_path):
 
 
 @needs_processes
+@needs_a_handshake
 def test_orbax_checkpoint_on_process_0_only_fails_at_once(tmp_path):
     if klm.process_index() == 0:
         start = time.monotonic()
@@ -70,6 +84,7 @@ def test_orbax_checkpoint_on_process_0_only_fails_at_once(tmp_path):
 
 
 @needs_processes
+@needs_a_handshake
 def test_replicated_save_on_process_0_only_works(tmp_path):
     with klm.DataParallel(dp_mesh()).scope():
         model = build()
@@ -93,3 +108,35 @@ def test_save_inside_process_0_works_where_one_process_holds_the_mesh(tmp_path):
     model.save_weights(path)
     assert time.monotonic() - start < 10
     assert_loads_equal(path, model)
+
+
+@pytest.mark.skipif(backends.name() != "torch", reason="torch's own pieces")
+@pytest.mark.parametrize("placements", [("shard0", "shard1"),
+                                        ("shard1", "shard1"),
+                                        ("replicate", "shard0")])
+def test_the_pieces_a_one_file_save_sends_are_torchs_own(placements):
+    """The piece each device holds, as a one-file save computes it for a
+    device of another process (`writer_transfers._piece`), is the one
+    torch's `Shard` makes: `torch.chunk` mesh dimension after mesh
+    dimension, uneven and empty pieces included (7 rows over 2 then 3)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from keras_layoutmap.backends.torch import writer_transfers
+
+    made = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}
+    placements = [made[p] for p in placements]
+    whole = torch.arange(5 * 7).reshape(5, 7)
+    mesh_shape = (2, 3)
+    for coordinate in np.ndindex(*mesh_shape):
+        piece = whole
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                chunks = piece.chunk(mesh_shape[mesh_dim], placement.dim)
+                at = coordinate[mesh_dim]
+                piece = chunks[at] if at < len(chunks) else piece.narrow(
+                    placement.dim, 0, 0)
+        found = writer_transfers._piece((5, 7), mesh_shape, coordinate,
+                                        placements)
+        slices = tuple(slice(a, b) for a, b in found)
+        assert torch.equal(whole[slices], piece), (coordinate, found)

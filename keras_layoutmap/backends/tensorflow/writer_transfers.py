@@ -1,0 +1,92 @@
+"""A DTensor sharded over processes brought to process 0 alone, for a
+one-file save (`keras_layoutmap.one_writer`).
+
+DTensor's multi-client collectives are all-gathers and all-reduces over a
+mesh's devices, with no send to one process. So each piece process 0
+lacks is sent as a sum over the processes' mesh (`processes.process_mesh`)
+in which only the process holding it gives its bytes and every other
+process zeros: one piece at a time, every process receiving that piece
+and dropping it but process 0. Bytes are summed as int32 words, so that
+every value (a negative zero, a NaN's payload) arrives bit for bit.
+"""
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_layoutmap import one_writer
+from keras_layoutmap.backends.tensorflow import processes
+
+
+def _pieces(layout, shape):
+    """The piece (start, stop per dimension) each device of `layout`'s
+    mesh holds, in the mesh's order of global ids, and their ids."""
+    mesh = layout.mesh
+    ids = np.asarray(mesh.global_device_ids())
+    coords = np.unravel_index(np.arange(ids.size), ids.shape)
+    names = list(mesh.dim_names)
+    pieces = []
+    for position in range(ids.size):
+        piece = []
+        for spec, length in zip(layout.sharding_specs, shape):
+            if spec in (dtensor.UNSHARDED, dtensor.MATCH):
+                piece.append((0, length))
+                continue
+            count = mesh.dim_size(spec)
+            at = int(coords[names.index(spec)][position])
+            piece.append((at * length // count, (at + 1) * length // count))
+        pieces.append(tuple(piece))
+    return pieces, [int(i) for i in ids.reshape(-1)]
+
+
+def _from_process(data, nbytes):
+    """`data` (bytes of one process's piece; None on the other processes) on
+    every process: a sum of int32 words over the processes' mesh."""
+    words = -(-nbytes // 4)
+    piece = np.zeros((1, words), np.int32)
+    if data is not None:
+        piece.view(np.uint8).reshape(-1)[:nbytes] = data
+    mesh = processes.shared_process_mesh()
+    layout = dtensor.Layout(["proc", dtensor.UNSHARDED], mesh)
+    packed = dtensor.pack(
+        [tf.constant(piece)] * processes.local_device_count(), layout)
+    del piece
+    summed = tf.reduce_sum(packed, axis=0)
+    del packed
+    return dtensor.unpack(summed)[0].numpy().view(np.uint8)[:nbytes]
+
+
+def send_to_writer(x, layout):
+    """`x`, a DTensor sharded over processes by `layout`, whole on process
+    0 as numpy; None on the other processes, which send the pieces
+    process 0 lacks."""
+    shape = tuple(int(d) for d in x.shape)
+    dtype = np.dtype(x.dtype.as_numpy_dtype)
+    per_process = processes.local_device_count()
+    me = processes.process_index()
+    pieces, ids = _pieces(layout, shape)
+    owners = [i // per_process for i in ids]
+    local = {int(i): c for i, c in zip(layout.mesh.local_device_ids(),
+                                       dtensor.unpack(x))}
+    whole = np.empty(shape, dtype) if me == 0 else None
+    if me == 0:
+        done = set()
+        for position, device in enumerate(ids):
+            if device in local and pieces[position] not in done:
+                done.add(pieces[position])
+                whole[_slices(pieces[position])] = local[device].numpy()
+    for position, piece in one_writer.missing_pieces(pieces, owners):
+        piece_shape = tuple(stop - start for start, stop in piece)
+        nbytes = int(np.prod(piece_shape, dtype=np.int64)) * dtype.itemsize
+        data = None
+        if owners[position] == me:
+            data = np.ascontiguousarray(
+                local[ids[position]].numpy()).reshape(-1).view(np.uint8)
+        got = _from_process(data, nbytes)
+        if me == 0:
+            whole[_slices(piece)] = got.view(dtype).reshape(piece_shape)
+    return whole
+
+
+def _slices(piece):
+    return tuple(slice(start, stop) for start, stop in piece)
