@@ -5,9 +5,10 @@ DTensor's multi-client collectives are all-gathers and all-reduces over a
 mesh's devices, with no send to one process. So each piece process 0
 lacks is sent as a sum over the processes' mesh (`processes.process_mesh`)
 in which only the process holding it gives its bytes and every other
-process zeros: one piece at a time, every process receiving that piece
-and dropping it but process 0. Bytes are summed as int32 words, so that
-every value (a negative zero, a NaN's payload) arrives bit for bit.
+process zeros: one piece at a time (in chunks of `CHUNK_WORDS`), every
+process receiving it and dropping it but process 0. Bytes are summed as
+int32 words, so that every value (a negative zero, a NaN's payload)
+arrives bit for bit.
 """
 
 import numpy as np
@@ -16,6 +17,10 @@ from tensorflow.experimental import dtensor
 
 from keras_layoutmap import one_writer
 from keras_layoutmap.backends.tensorflow import processes
+
+# A piece goes in sums of at most this many int32 words (16 MiB): DTensor's
+# all-reduce holds several buffers of its operand on every process.
+CHUNK_WORDS = 4 * 1024 * 1024
 
 
 def _pieces(layout, shape):
@@ -39,21 +44,30 @@ def _pieces(layout, shape):
     return pieces, [int(i) for i in ids.reshape(-1)]
 
 
-def _from_process(data, nbytes):
-    """`data` (bytes of one process's piece; None on the other processes) on
-    every process: a sum of int32 words over the processes' mesh."""
-    words = -(-nbytes // 4)
-    piece = np.zeros((1, words), np.int32)
-    if data is not None:
-        piece.view(np.uint8).reshape(-1)[:nbytes] = data
+def _words(piece, nbytes):
+    """`piece`'s bytes as int32 words, shape (1, words): a bitcast of its
+    own buffer where its items are 4 or 8 bytes (no copy), else padded."""
+    if piece.dtype == tf.bool:
+        piece = tf.cast(piece, tf.uint8)
+    if piece.dtype.size in (4, 8):
+        return tf.reshape(tf.bitcast(piece, tf.int32), (1, -1))
+    data = tf.reshape(tf.bitcast(piece, tf.uint8), (-1,))
+    data = tf.pad(data, [[0, -nbytes % 4]])
+    return tf.reshape(tf.bitcast(tf.reshape(data, (-1, 4)), tf.int32), (1, -1))
+
+
+def _from_process(words, count):
+    """`words` (one process's piece as int32 words; None on the other
+    processes) on every process: their sum over the processes' mesh."""
+    if words is None:
+        words = tf.zeros((1, count), tf.int32)
     mesh = processes.shared_process_mesh()
     layout = dtensor.Layout(["proc", dtensor.UNSHARDED], mesh)
-    packed = dtensor.pack(
-        [tf.constant(piece)] * processes.local_device_count(), layout)
-    del piece
+    packed = dtensor.pack([words] * processes.local_device_count(), layout)
+    del words
     summed = tf.reduce_sum(packed, axis=0)
     del packed
-    return dtensor.unpack(summed)[0].numpy().view(np.uint8)[:nbytes]
+    return dtensor.unpack(summed)[0]
 
 
 def send_to_writer(x, layout):
@@ -78,13 +92,21 @@ def send_to_writer(x, layout):
     for position, piece in one_writer.missing_pieces(pieces, owners):
         piece_shape = tuple(stop - start for start, stop in piece)
         nbytes = int(np.prod(piece_shape, dtype=np.int64)) * dtype.itemsize
-        data = None
-        if owners[position] == me:
-            data = np.ascontiguousarray(
-                local[ids[position]].numpy()).reshape(-1).view(np.uint8)
-        got = _from_process(data, nbytes)
+        count = -(-nbytes // 4)
+        words = _words(local[ids[position]], nbytes) \
+            if owners[position] == me else None
+        data = np.empty(count, np.int32) if me == 0 else None
+        for start in range(0, count, CHUNK_WORDS):
+            stop = min(start + CHUNK_WORDS, count)
+            got = _from_process(
+                None if words is None else words[:, start:stop], stop - start)
+            if me == 0:
+                data[start:stop] = got.numpy().reshape(-1)
+            del got
+        del words
         if me == 0:
-            whole[_slices(piece)] = got.view(dtype).reshape(piece_shape)
+            data = data.view(np.uint8)[:nbytes]
+            whole[_slices(piece)] = data.view(dtype).reshape(piece_shape)
     return whole
 
 
