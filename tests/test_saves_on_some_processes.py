@@ -17,13 +17,6 @@ pytestmark = [pytest.mark.sharding, pytest.mark.training]
 needs_processes = pytest.mark.skipif(
     not SPANS_PROCESSES, reason="needs a mesh that spans processes (the "
     "launcher's); one process holds every device elsewhere")
-needs_a_handshake = pytest.mark.skipif(
-    backends.name() == "tensorflow", reason="TensorFlow has no handshake "
-    "outside collectives yet (torch: its rendezvous store; JAX: its "
-    "coordination service's): a save on some processes only waits in "
-    "DTensor's first collective")
-
-
 @pytest.fixture(autouse=True)
 def _short_handshake(monkeypatch):
     # The processes meet at a barrier before each save of these tests: 2 s
@@ -54,7 +47,6 @@ def assert_loads_equal(path, model):
 
 
 @needs_processes
-@needs_a_handshake
 def test_sharded_save_on_process_0_only_fails_at_once(tmp_path):
     with sharded_map(mp_mesh()).scope():
         model = build()
@@ -73,7 +65,6 @@ def test_sharded_save_on_process_0_only_fails_at_once(tmp_path):
 
 
 @needs_processes
-@needs_a_handshake
 def test_orbax_checkpoint_on_process_0_only_fails_at_once(tmp_path):
     if klm.process_index() == 0:
         start = time.monotonic()
@@ -84,7 +75,6 @@ def test_orbax_checkpoint_on_process_0_only_fails_at_once(tmp_path):
 
 
 @needs_processes
-@needs_a_handshake
 def test_replicated_save_on_process_0_only_works(tmp_path):
     with klm.DataParallel(dp_mesh()).scope():
         model = build()

@@ -41,6 +41,9 @@ from keras_layoutmap.backends.tensorflow import (
 )
 from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow import variables as dvariables
+from keras_layoutmap.backends.tensorflow.handshakes import (  # noqa: F401
+    enter_together,
+)
 from keras_layoutmap.backends.tensorflow.placement import (  # noqa: F401
     configure_virtual_devices,
     device_bytes,
