@@ -8,8 +8,11 @@ other process), and each round has attempts. In an attempt, each process
 writes its arrival; the first process that sees every process arrive, or
 that gives up waiting after `KLM_SAVE_HANDSHAKE_TIMEOUT` seconds (default
 5), sets the attempt's decision, a key set once: every process of the
-attempt follows it. A process whose decision was to give up closes the
-attempt, so that a later save on every process meets in the next one.
+attempt follows it. A process that finds its attempt given up before its
+own wait is over goes on to the next attempt, so that a later save on
+every process meets in a new one; it gives up only when its own wait is
+over. So the processes that enter, enter together: an attempt is entered
+only once every process arrived in it.
 
 A store needs two calls: `get(key)`, the value or None, and
 `set_once(key, value)`, whether this call set it (False where the key
@@ -47,24 +50,32 @@ def enter_together(store, name, world, rank, entered, seconds=None):
         return True
     seconds = handshake_seconds() if seconds is None else seconds
     round_ = f"klm_enter/{name}/{entered.get(name, 0)}"
-    closed = 0
-    while store.get(f"{round_}/closed/{closed}") is not None:
-        closed += 1
-    attempt = f"{round_}/{closed}"
-    store.set_once(f"{attempt}/arrived/{rank}", "1")
-    waiting = set(range(world)) - {rank}
     deadline = time.monotonic() + seconds
-    while (decision := store.get(f"{attempt}/decision")) is None:
+    attempt = 0
+    while True:
+        key = f"{round_}/{attempt}"
+        if store.get(f"{key}/decision") is None:
+            store.set_once(f"{key}/arrived/{rank}", "1")
+            if _decision(store, key, world, rank, deadline) == "enter":
+                entered[name] = entered.get(name, 0) + 1
+                return True
+        if time.monotonic() > deadline:
+            return False
+        attempt += 1  # given up before this process's wait was over
+
+
+def _decision(store, key, world, rank, deadline):
+    """The decision of attempt `key`, which this process arrived in: the
+    first one made, "enter" once every process arrived, "give up" once a
+    process's wait is over."""
+    waiting = set(range(world)) - {rank}
+    while (decision := store.get(f"{key}/decision")) is None:
         waiting = {r for r in waiting
-                   if store.get(f"{attempt}/arrived/{r}") is None}
+                   if store.get(f"{key}/arrived/{r}") is None}
         if not waiting:
-            store.set_once(f"{attempt}/decision", "enter")
+            store.set_once(f"{key}/decision", "enter")
         elif time.monotonic() > deadline:
-            if store.set_once(f"{attempt}/decision", "give up"):
-                store.set_once(f"{round_}/closed/{closed}", "1")
+            store.set_once(f"{key}/decision", "give up")
         else:
             time.sleep(0.005)
-    if decision == "enter":
-        entered[name] = entered.get(name, 0) + 1
-        return True
-    return False
+    return decision

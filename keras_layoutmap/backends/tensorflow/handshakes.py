@@ -7,6 +7,7 @@ from tensorflow.python.eager import context
 from keras_layoutmap import save_handshake
 from keras_layoutmap.backends.tensorflow import processes
 
+GET_WAIT_MS = 100
 _ENTERED = {}  # name -> rounds this process entered with every other one
 
 
@@ -15,8 +16,10 @@ class _Store:
         self.context = tf_context
 
     def get(self, key):
-        try:  # the shortest wait the store takes
-            return self.context.get_config_key_value(key, 1)
+        # The store only waits for a key (a key set already comes back at
+        # once): long enough that a busy coordinator still answers.
+        try:
+            return self.context.get_config_key_value(key, GET_WAIT_MS)
         except Exception:  # DeadlineExceeded: not set
             return None
 
