@@ -344,18 +344,17 @@ def _one_writer(save):
     file is complete.
 
     Called on some processes only (`if rank == 0: model.save_weights(path)`),
-    where the backend can tell (torch: `enter_together`, a handshake outside
-    any collective): a model this process holds whole is saved by it alone,
-    with no collective; a sharded one raises at once, and the processes
-    that did not call it started nothing."""
+    told by a handshake outside any collective (`enter_together`): a model
+    this process holds whole is saved by it alone, with no collective; a
+    sharded one raises at once, and the processes that did not call it
+    started nothing."""
 
     @functools.wraps(save)
     def method(self, filepath, *args, **kwargs):
         backend = backends.get()
         if backend.process_count() == 1:
             return save(self, filepath, *args, **kwargs)
-        enter = getattr(backend, "enter_together", None)
-        if enter is not None and not enter(
+        if not backend.enter_together(
                 f"{save.__name__}:{os.path.abspath(str(filepath))}"):
             if _whole_here(self):
                 return save(self, filepath, *args, **kwargs)

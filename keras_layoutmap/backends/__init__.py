@@ -14,6 +14,10 @@ a backend itself:
 - `relayout_variable(variable, layout)`: move an existing variable onto a layout
 - `unplace_variable(variable)`: bring a variable on a mesh back to one device
 - `after_place(model)` (optional): called once a model's variables moved
+- `process_count()`, `process_index()`, `barrier(name)`,
+  `gather_process_batches(local)`: a run of several processes
+- `enter_together(name)`: whether every process enters `name` (a save)
+  with this one, told outside any collective (`save_handshake`)
 - `install()`: backend-specific hooks into Keras (e.g. the data iterator)
 - `SHARDING`: whether this backend can place tensors on a multi-device mesh
 - `TRAINING`: whether `model.fit` / `evaluate` / `predict` run on one

@@ -76,6 +76,21 @@ def joined():
     return "devices" in _WORLD
 
 
+def refuse_a_start_on_some_processes(backend, name):
+    """Raise at once, on the processes that started an Orbax checkpoint
+    (`name`), where not every process of the run started it: a handshake
+    outside any collective (`enter_together`), instead of a wait in the
+    checkpoint's first collective."""
+    if backend.process_count() > 1 and not backend.enter_together(name):
+        raise RuntimeError(
+            f"An Orbax checkpoint was started on process "
+            f"{backend.process_index()} but not on all "
+            f"{backend.process_count()} processes of the run. Each process "
+            "writes and reads its own shards, together: create "
+            "`keras.callbacks.OrbaxCheckpoint` and call `load_model` / "
+            "`load_weights` on every process, not under `if rank == 0:`.")
+
+
 def join():
     """Mirror this run of several processes in JAX (the first time; every
     time a collective: every process calls it, for each checkpoint it
@@ -85,17 +100,7 @@ def join():
     if count == 1:
         return False
     index = backend.process_index()
-    # Where the backend can tell (torch: a handshake outside any
-    # collective), a checkpoint started on some processes only fails at
-    # once, on them, instead of waiting in a collective.
-    enter = getattr(backend, "enter_together", None)
-    if enter is not None and not enter("orbax_checkpoint_join"):
-        raise RuntimeError(
-            f"An Orbax checkpoint was started on process {index} but not on "
-            f"all {count} processes of the run. Each process writes and "
-            "reads its own shards, together: create "
-            "`keras.callbacks.OrbaxCheckpoint` and call `load_model` / "
-            "`load_weights` on every process, not under `if rank == 0:`.")
+    refuse_a_start_on_some_processes(backend, "orbax_checkpoint_join")
     if joined():
         return True
     local = [str(d) for d in backend.local_devices()]

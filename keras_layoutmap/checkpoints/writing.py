@@ -120,17 +120,9 @@ def check_shared(directory):
     count = backend.process_count()
     if count == 1:
         return
-    # Where the backend can tell (JAX: a handshake outside any collective;
-    # torch's mirror did at its join), a checkpoint started on some
-    # processes only fails at once, on them.
-    enter = getattr(backend, "enter_together", None)
-    if enter is not None and not enter("orbax_checkpoint_directory"):
-        raise RuntimeError(
-            f"An Orbax checkpoint was started on process "
-            f"{backend.process_index()} but not on all {count} processes of "
-            "the run. Each process writes its own shards, together: create "
-            "`keras.callbacks.OrbaxCheckpoint` on every process, not under "
-            "`if rank == 0:`.")
+    # (TensorFlow and torch: their JAX mirror's join did the same.)
+    orbax_arrays().refuse_a_start_on_some_processes(
+        backend, "orbax_checkpoint_directory")
     if "://" in str(directory):
         return
     directory = os.path.abspath(str(directory))
