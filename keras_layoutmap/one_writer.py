@@ -16,11 +16,12 @@ value to process 0 alone, instead of gathering it whole on every process:
   without writing values (HDF5 allocates a dataset's storage only when
   values are written).
 
-So a save adds to process 0 about twice the largest value (the value, and
-Keras' copy of it), and to every other process about one value's piece
-(what a transfer holds), whatever the model's size. Without `writing`
-(one process, or a value every process holds whole), conversions are as
-before.
+So a save adds to process 0 about its largest value (Keras writes the
+array the backend filled, with no copy) and a piece in transit, and to
+every other process about one piece (what a transfer holds), whatever the
+model's size; TensorFlow holds a few pieces more (benchmarks/README.md).
+Without `writing` (one process, or a value every process holds whole),
+conversions are as before.
 
     >>> import numpy as np
     >>> with writing(writer=False):
@@ -33,11 +34,15 @@ before.
 
 import contextlib
 import functools
+import weakref
 
 import numpy as np
 
 _STATE = {"writer": None}  # True / False while a save runs, else None
-_PLACEHOLDERS = {}  # id -> placeholder made during the current save
+# id -> a weak reference to a placeholder made during the current save
+# (one that Keras has written and dropped is gone: its pages are given
+# back, even reserved only)
+_PLACEHOLDERS = {}
 
 
 def active():
@@ -72,12 +77,13 @@ def placeholder(shape, dtype):
     writer: its memory is only reserved (`np.zeros` takes untouched zero
     pages), and a dataset made of it in the scratch file gets no values."""
     array = np.zeros(tuple(int(d) for d in shape), dtype)
-    _PLACEHOLDERS[id(array)] = array
+    _PLACEHOLDERS[id(array)] = weakref.ref(array)
     return array
 
 
 def is_placeholder(value):
-    return _PLACEHOLDERS.get(id(value)) is value
+    found = _PLACEHOLDERS.get(id(value))
+    return found is not None and found() is value
 
 
 def received(whole, shape, dtype):
