@@ -18,9 +18,12 @@ from tensorflow.experimental import dtensor
 from keras_layoutmap import one_writer
 from keras_layoutmap.backends.tensorflow import processes
 
-# A piece goes in sums of at most this many int32 words (16 MiB): DTensor's
-# all-reduce holds several buffers of its operand on every process.
-CHUNK_WORDS = 4 * 1024 * 1024
+# A piece goes in sums of at most this many int32 words (2 MiB): TensorFlow's
+# reads and DTensor's all-reduce hold several buffers of their operand on
+# every process. benchmarks/checkpoint.py (1 GiB, 4 processes, 2026-11-27),
+# the processes that do not write: 16 MiB sums 21 s and +266 to +399 MiB,
+# 4 MiB 20 s and +133 MiB, 2 MiB 23 s and +57 MiB, 1 MiB 32 s and +30 MiB.
+CHUNK_WORDS = 512 * 1024
 
 
 def _pieces(layout, shape):
