@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.sharding, pytest.mark.training]
 needs_processes = pytest.mark.skipif(
     not SPANS_PROCESSES, reason="needs a mesh that spans processes (the "
     "launcher's); one process holds every device elsewhere")
+
+
 @pytest.fixture(autouse=True)
 def _short_handshake(monkeypatch):
     # The processes meet at a barrier before each save of these tests: 2 s
