@@ -50,16 +50,11 @@ def active():
     return _STATE["writer"] is not None
 
 
-def is_writer():
-    """Whether this process writes the file of the save that runs."""
-    return _STATE["writer"] is True
-
-
 @contextlib.contextmanager
 def writing(writer):
     """Run a save across processes: `writer` on the process that writes
     the file (process 0), not on the others."""
-    if active():  # a save within a save (keras-hub's save_to_preset)
+    if active():  # a save method that calls another
         yield
         return
     if not writer:
