@@ -80,7 +80,7 @@ if not _LIGHT:
     from keras_layoutmap import metrics as _metrics
     from keras_layoutmap import placement as _placement
     from keras_layoutmap import checkpoints as _checkpoints
-    from keras_layoutmap import processes as _processes
+    from keras_layoutmap import process_saves as _process_saves
     from keras_layoutmap import trainer as _trainer
     from keras_layoutmap.auto_plan import auto_layout_map
     from keras_layoutmap.data import (
@@ -121,7 +121,7 @@ if not _LIGHT:
     _initializers.install()
     _metrics.install()
     _placement.install()
-    _processes.install()  # before the trainer wraps save_weights
+    _process_saves.install()  # before the trainer wraps save_weights
     _checkpoints.install()
     _trainer.install()
 else:

@@ -1,7 +1,7 @@
 """One file from a save called on every process, streamed to process 0.
 
 `model.save_weights(path)` and `model.save(path)` across processes run
-Keras' own save on every process (`processes.install`): Keras converts the
+Keras' own save on every process (`process_saves`): Keras converts the
 same values in the same order everywhere, one value at a time. While
 `writing(...)` is active, a backend's host conversion of a value sharded
 over processes (`convert_to_numpy`, `np.asarray(variable)`) brings that
@@ -85,6 +85,11 @@ def received(whole, shape, dtype):
     """What a conversion returns: the whole value on the writer, a
     placeholder elsewhere (`whole` is None there)."""
     return placeholder(shape, dtype) if whole is None else whole
+
+
+def slices(piece):
+    """A piece (start, stop per dimension) as the slices that index it."""
+    return tuple(slice(start, stop) for start, stop in piece)
 
 
 def missing_pieces(pieces, processes, writer=0):
