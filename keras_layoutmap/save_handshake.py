@@ -14,19 +14,19 @@ every process meets in a new one; it gives up only when its own wait is
 over. So the processes that enter, enter together: an attempt is entered
 only once every process arrived in it.
 
-A store needs two calls: `get(key)`, the value or None, and
-`set_once(key, value)`, whether this call set it (False where the key
-was set already).
+A backend gives its store as a `Store` of two calls: `read(key)`, which
+raises where the key is not set, and `write(key, value)`, which raises
+where it is set already.
 
-    >>> class Store(dict):
-    ...     def get(self, key):
-    ...         return dict.get(self, key)
-    ...     def set_once(self, key, value):
-    ...         return self.setdefault(key, value) is value
-    >>> store, entered = Store(), {}
-    >>> enter_together(store, "save", world=1, rank=0, entered=entered)
+    >>> def write(key, value):
+    ...     if key in kept:
+    ...         raise KeyError(key)
+    ...     kept[key] = value
+    >>> kept = {}
+    >>> store = Store(kept.__getitem__, write)
+    >>> enter_together(store, "save", world=1, rank=0)
     True
-    >>> enter_together(store, "save", world=2, rank=0, entered=entered,
+    >>> enter_together(store, "save", world=2, rank=0,
     ...                seconds=0.01)  # the other process never comes
     False
 """
@@ -35,6 +35,31 @@ import os
 import time
 
 DEFAULT_SAVE_HANDSHAKE_SECONDS = 5
+_ENTERED = {}  # name -> rounds this process entered with every other one
+
+
+class Store:
+    """A key-value store every process reaches: `read(key)` and
+    `write(key, value)` of a backend, each raising where the key is not
+    set (read) or is set already (write)."""
+
+    def __init__(self, read, write):
+        self.read, self.write = read, write
+
+    def get(self, key):
+        """The value of `key`, or None where it is not set."""
+        try:
+            return self.read(key)
+        except Exception:  # not set (NOT_FOUND, DeadlineExceeded, KeyError)
+            return None
+
+    def set_once(self, key, value):
+        """Whether this call set `key` (False where it was set already)."""
+        try:
+            self.write(key, value)
+            return True
+        except Exception:  # ALREADY_EXISTS
+            return False
 
 
 def handshake_seconds():
@@ -42,14 +67,13 @@ def handshake_seconds():
                                 DEFAULT_SAVE_HANDSHAKE_SECONDS))
 
 
-def enter_together(store, name, world, rank, entered, seconds=None):
+def enter_together(store, name, world, rank, seconds=None):
     """Whether all `world` processes enter `name` (a save) with this one
-    (`rank`) within `seconds` (default `KLM_SAVE_HANDSHAKE_TIMEOUT`).
-    `entered` counts, per name, the rounds this process entered."""
+    (`rank`) within `seconds` (default `KLM_SAVE_HANDSHAKE_TIMEOUT`)."""
     if world == 1:
         return True
     seconds = handshake_seconds() if seconds is None else seconds
-    round_ = f"klm_enter/{name}/{entered.get(name, 0)}"
+    round_ = f"klm_enter/{name}/{_ENTERED.get(name, 0)}"
     deadline = time.monotonic() + seconds
     attempt = 0
     while True:
@@ -57,7 +81,7 @@ def enter_together(store, name, world, rank, entered, seconds=None):
         if store.get(f"{key}/decision") is None:
             store.set_once(f"{key}/arrived/{rank}", "1")
             if _decision(store, key, world, rank, deadline) == "enter":
-                entered[name] = entered.get(name, 0) + 1
+                _ENTERED[name] = _ENTERED.get(name, 0) + 1
                 return True
         if time.monotonic() > deadline:
             return False

@@ -27,10 +27,6 @@ def _piece(index, shape):
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def _slices(piece):
-    return tuple(slice(start, stop) for start, stop in piece)
-
-
 @functools.lru_cache(maxsize=256)
 def _move(mesh, spec, source, target):
     """A function moving the piece at mesh position `source` to position
@@ -64,7 +60,7 @@ def send_to_writer(array):
             piece = _piece(shard.index, array.shape)
             if piece not in done:
                 done.add(piece)
-                whole[_slices(piece)] = np.asarray(shard.data)
+                whole[one_writer.slices(piece)] = np.asarray(shard.data)
     missing = one_writer.missing_pieces(pieces, processes)
     if missing:
         target = processes.index(0)
@@ -73,6 +69,6 @@ def send_to_writer(array):
             if writer:
                 held = next(s for s in moved.addressable_shards
                             if s.device == devices[target])
-                whole[_slices(piece)] = np.asarray(held.data)[0]
+                whole[one_writer.slices(piece)] = np.asarray(held.data)[0]
             del moved
     return whole

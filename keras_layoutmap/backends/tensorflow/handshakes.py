@@ -7,28 +7,10 @@ from tensorflow.python.eager import context
 from keras_layoutmap import save_handshake
 from keras_layoutmap.backends.tensorflow import processes
 
+# The store only waits for a key (a key set already comes back at once):
+# long enough that a busy coordinator still answers. A 1 ms wait missed
+# keys that were set, under load.
 GET_WAIT_MS = 100
-_ENTERED = {}  # name -> rounds this process entered with every other one
-
-
-class _Store:
-    def __init__(self, tf_context):
-        self.context = tf_context
-
-    def get(self, key):
-        # The store only waits for a key (a key set already comes back at
-        # once): long enough that a busy coordinator still answers.
-        try:
-            return self.context.get_config_key_value(key, GET_WAIT_MS)
-        except Exception:  # DeadlineExceeded: not set
-            return None
-
-    def set_once(self, key, value):
-        try:
-            self.context.set_config_key_value(key, value)
-            return True
-        except Exception:  # AlreadyExists
-            return False
 
 
 def enter_together(name):
@@ -36,6 +18,9 @@ def enter_together(name):
     `KLM_SAVE_HANDSHAKE_TIMEOUT` seconds (default 5)."""
     if processes.process_count() == 1:
         return True
+    tf_context = context.context()
+    store = save_handshake.Store(
+        lambda key: tf_context.get_config_key_value(key, GET_WAIT_MS),
+        tf_context.set_config_key_value)  # refuses a key set already
     return save_handshake.enter_together(
-        _Store(context.context()), name, processes.process_count(),
-        processes.process_index(), _ENTERED)
+        store, name, processes.process_count(), processes.process_index())

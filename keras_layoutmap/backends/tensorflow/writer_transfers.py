@@ -91,7 +91,7 @@ def send_to_writer(x, layout):
         for position, device in enumerate(ids):
             if device in local and pieces[position] not in done:
                 done.add(pieces[position])
-                whole[_slices(pieces[position])] = local[device].numpy()
+                whole[one_writer.slices(pieces[position])] = local[device].numpy()
     for position, piece in one_writer.missing_pieces(pieces, owners):
         piece_shape = tuple(stop - start for start, stop in piece)
         nbytes = int(np.prod(piece_shape, dtype=np.int64)) * dtype.itemsize
@@ -109,9 +109,5 @@ def send_to_writer(x, layout):
         del words
         if me == 0:
             data = data.view(np.uint8)[:nbytes]
-            whole[_slices(piece)] = data.view(dtype).reshape(piece_shape)
+            whole[one_writer.slices(piece)] = data.view(dtype).reshape(piece_shape)
     return whole
-
-
-def _slices(piece):
-    return tuple(slice(start, stop) for start, stop in piece)

@@ -33,10 +33,6 @@ def _piece(shape, mesh_shape, coordinate, placements):
     return tuple(tuple(p) for p in piece)
 
 
-def _slices(piece):
-    return tuple(slice(start, stop) for start, stop in piece)
-
-
 def numpy_dtype(dtype):
     """The numpy dtype Keras' `convert_to_numpy` gives a torch `dtype`."""
     if dtype == torch.bfloat16:
@@ -67,7 +63,7 @@ def send_to_writer(value):
     whole = None
     if me == WRITER:
         whole = torch.empty(shape, dtype=value.dtype)
-        whole[_slices(pieces[ranks.index(me)])] = local.detach().cpu()
+        whole[one_writer.slices(pieces[ranks.index(me)])] = local.detach().cpu()
     device = devices.current()[2]
     for position, piece in one_writer.missing_pieces(pieces, ranks, WRITER):
         if any(start == stop for start, stop in piece):
@@ -79,7 +75,7 @@ def send_to_writer(value):
             received = torch.empty(tuple(b - a for a, b in piece),
                                    dtype=value.dtype, device=device)
             dist.recv(received, src=sender)
-            whole[_slices(piece)] = received.cpu()
+            whole[one_writer.slices(piece)] = received.cpu()
             del received
     if whole is not None and whole.dtype != torch.bfloat16:
         return whole.numpy()  # what Keras' convert_to_numpy would copy it to
