@@ -156,7 +156,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
 
 
 # Architectures whose recipe also runs quantized (Gemma's: the matrix's
-# hub-quantized-* rows).
+# hub-quantized row, all three modes in one model).
 QUANTIZED = ("llama",)
 
 
@@ -198,9 +198,9 @@ def test_llama_int4_layouts(no_distribution):
     """Llama under its recipe quantized to int4: each packed int4 kernel
     where the rule puts it where its packed size allows, read from the
     backend. (Generating with int4 kernels on the mesh, ids identical to one
-    device: the matrix's hub-quantized-int4 row, under Gemma's recipe, in
+    device: the matrix's hub-quantized row, under Gemma's recipe, in
     every cell. float8 keeps its kernels in float, where the recipe's rules
-    put them as they put any kernel: its hub-quantized-float8 row.)"""
+    put them as they put any kernel: the same row.)"""
     distribution = keras_model_parallel("llama")
     lm = quantized_llama(distribution, "int4")
     # the gate kernel (hidden, intermediate): (batch, model)
@@ -213,7 +213,7 @@ def test_llama_int4_layouts(no_distribution):
 def test_llama_int8_lora_fit(no_distribution):
     """Llama under its recipe, int8 with LoRA: `fit` equal to one device,
     the int8 kernels bit-identical before and after. (float8's `fit` under
-    a keras-hub recipe: the matrix's hub-quantized-float8 row.)"""
+    a keras-hub recipe: the matrix's hub-quantized row.)"""
     distribution = keras_model_parallel("llama")
     reference = quantized_llama(None, "int8", lora=True)
     lm = quantized_llama(distribution, "int8", lora=True)

@@ -1,6 +1,6 @@
 """Quantized models: what the workflow matrix does not run in every cell.
 The matrix (tests/workflows.py: quantized-predict, quantized-lora-fit,
-quantized-float8-fit, hub-quantized-int8/int4/float8) runs int8, int4 and float8 under
+quantized-float8-fit, hub-quantized) runs int8, int4 and float8 under
 a plan on every backend, one process and several, against one device.
 Here: keras-hub's int8 recipe under the plugin gives what plain Keras gives
 without it (JAX, where plain Keras places weights), and the rules alone
@@ -106,7 +106,7 @@ def plain_keras(tmp_path):
 @pytest.mark.skipif(
     BACKEND != "jax" or SPANS_PROCESSES or DEVICES != 8,
     reason="plain Keras places weights on JAX only, in one process here "
-    "(the matrix's hub-quantized rows checks every other cell against "
+    "(the matrix's hub-quantized row checks every other cell against "
     "one device)")
 def test_keras_hub_int8_recipe_gives_what_plain_keras_gives(tmp_path):
     """keras-hub's GemmaCausalLM.quantize("int8") under

@@ -151,24 +151,22 @@ WORKFLOWS = (
              "losses, kernels, scales and every amax history equal (biases "
              "to bfloat16 rounding: Keras' float8 Dense rounds their "
              "gradient)."),
-    Workflow("hub-quantized-int8",
-             "keras-hub's recipe, a tiny `GemmaCausalLM` quantized with "
-             "`quantize(\"int8\")` inside the scope, greedy `generate()` of "
-             "prompts of mixed lengths (ids identical), then "
-             "`backbone.enable_lora(2)`, compiled outside the scope (with a "
-             "`SparseCategoricalAccuracy` object, as keras-hub's `compile` "
-             "makes), and `fit`: losses and weights equal, the int8 kernels "
-             "bit-identical before and after; every int8 kernel where the "
-             "recipe's rule puts it, the scales following it, read from the "
-             "backend (Llama's recipe: tests/test_keras_hub_tasks.py)."),
-    Workflow("hub-quantized-int4",
-             "The same in int4 with LoRA: ids identical, `fit` equal, the "
-             "packed kernels bit-identical before and after and where the "
-             "rule puts them as their packed size allows."),
-    Workflow("hub-quantized-float8",
-             "The same in float8, without LoRA: ids identical, `fit` equal "
-             "to its rounding (docs/quantized.md), amax histories included; "
-             "the per-tensor scales and histories replicated."),
+    Workflow("hub-quantized",
+             "keras-hub's recipe, a tiny `GemmaCausalLM` quantized inside "
+             "the scope in all three modes, a layer each "
+             "(`quantize(mode, filters=...)`: int4 on the embedding, query "
+             "and gate projections, int8 on the value and output ones, "
+             "float8 on the rest), greedy `generate()` of prompts of mixed "
+             "lengths (ids identical), then `backbone.enable_lora(2)` (on an "
+             "int4 and an int8 projection), compiled outside the scope (with "
+             "a `SparseCategoricalAccuracy` object, as keras-hub's `compile` "
+             "makes), and `fit`: losses and weights equal to float8's "
+             "rounding (docs/quantized.md), amax histories included, the "
+             "int8 and packed int4 kernels bit-identical before and after; "
+             "every int8 kernel where the recipe's rule puts it, int4's "
+             "where their packed size allows, the scales following them, "
+             "float8's per-tensor scales and histories replicated, read from "
+             "the backend (Llama's recipe: tests/test_keras_hub_tasks.py)."),
     Workflow("hub-preset",
              "The recipe, `save_to_preset` then `from_preset` of that folder "
              "under the distribution: weights exact, laid out as the rules "
