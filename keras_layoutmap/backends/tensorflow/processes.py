@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_layoutmap import join_deadline
+from keras_layoutmap import join_deadline, same_value
 from keras_layoutmap.backends.tensorflow import devices
 from keras_layoutmap.processes import devices_per_process
 
@@ -186,6 +186,23 @@ def gather_process_batches(local_batch):
     gathered = _allgather(mesh, padded)
     return np.concatenate(
         [gathered[i, : int(n)] for i, n in enumerate(sizes.reshape(-1))], axis=0)
+
+
+def check_same_everywhere(value):
+    """Raise `same_value.ValueDiffersAcrossProcesses` on every process
+    where `value`, a host value every process places on a mesh over all of
+    them, is not the same on every process (each keeps its own pieces of
+    what it holds): a CRC-32 of each process's bytes, gathered over the
+    processes' mesh (a collective every client joins)."""
+    if _STATE["clients"] == 1:
+        return
+    host = np.ascontiguousarray(value.numpy() if tf.is_tensor(value)
+                                else np.asarray(value))
+    mine = same_value.digest(host.reshape(-1).view(np.uint8), host.shape,
+                             host.dtype)
+    every = _allgather(shared_process_mesh(), mine)
+    same_value.check_same(list(every), _STATE["client"], host.shape,
+                          host.dtype)
 
 
 def _allgather(mesh, value):

@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.tensorflow import processes
 from keras_layoutmap.backends.tensorflow.initialization import born_sharded
 from keras_layoutmap.backends.tensorflow.placement import (
     distribute,
@@ -16,6 +17,7 @@ from keras_layoutmap.backends.tensorflow.placement import (
     to_host,
 )
 from keras_layoutmap.layout import Layout, as_layout
+from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def _make_dvariable(variable, value, layout):
@@ -88,10 +90,27 @@ def wrap_direct_assign(original):
             return original(self, value)
         value = tf.cast(value, self._value.dtype)
         if not is_dtensor(value):
-            value = distribute(value, as_layout(self._layout))
+            layout = as_layout(self._layout)
+            _check_same_everywhere(self, value, layout)
+            value = distribute(value, layout)
         self._value.assign(value)
 
     return _direct_assign
+
+
+def _check_same_everywhere(variable, value, layout):
+    """A host value assigned to a variable on a mesh that spans processes:
+    the same on each (each keeps its own pieces of it), else an error on
+    every process naming the variable. (Training's own assignments are
+    DTensors; a variable made from a value makes no check.)"""
+    mesh = to_dmesh(layout.mesh)
+    if len(mesh.local_device_ids()) == mesh.size:
+        return  # this process's devices alone
+    try:
+        processes.check_same_everywhere(value)
+    except ValueDiffersAcrossProcesses as e:
+        raise ValueDiffersAcrossProcesses(
+            f"Variable {variable.path!r}: {e}") from None
 
 
 def wrap_numpy(original):
