@@ -16,7 +16,11 @@ only once every process arrived in it.
 
 A backend gives its store as a `Store` of two calls: `read(key)`, which
 raises where the key is not set, and `write(key, value)`, which raises
-where it is set already.
+where it is set already; and, where it has one, `delete(prefix)`, which
+removes every key under `prefix`. With it, process 0 removes a round's
+keys when it enters the next round of the same save: every process then
+arrived in the new round, so none reads the old one any more, and a long
+run's store holds two rounds a save, not one a save call.
 
     >>> def write(key, value):
     ...     if key in kept:
@@ -29,6 +33,23 @@ where it is set already.
     >>> enter_together(store, "save", world=2, rank=0,
     ...                seconds=0.01)  # the other process never comes
     False
+
+Two rounds of a save both processes reach (process 1's arrivals written
+here for it), in a store that deletes:
+
+    >>> def delete(prefix):
+    ...     for key in [k for k in kept if k.startswith(prefix + "/")]:
+    ...         del kept[key]
+    >>> store = Store(kept.__getitem__, write, delete)
+    >>> kept["klm_enter/doc/0/0/arrived/1"] = "1"
+    >>> enter_together(store, "doc", world=2, rank=0)
+    True
+    >>> kept["klm_enter/doc/1/0/arrived/1"] = "1"
+    >>> enter_together(store, "doc", world=2, rank=0)
+    True
+    >>> sorted(k[len("klm_enter/doc/"):] for k in kept
+    ...        if k.startswith("klm_enter/doc/"))
+    ['1/0/arrived/0', '1/0/arrived/1', '1/0/decision']
 """
 
 import os
@@ -43,8 +64,8 @@ class Store:
     `write(key, value)` of a backend, each raising where the key is not
     set (read) or is set already (write)."""
 
-    def __init__(self, read, write):
-        self.read, self.write = read, write
+    def __init__(self, read, write, delete=None):
+        self.read, self.write, self.delete = read, write, delete
 
     def get(self, key):
         """The value of `key`, or None where it is not set."""
@@ -61,6 +82,15 @@ class Store:
         except Exception:  # ALREADY_EXISTS
             return False
 
+    def forget(self, prefix):
+        """Remove every key under `prefix`, where the store can."""
+        if self.delete is None:
+            return
+        try:
+            self.delete(prefix)
+        except Exception:  # gone already, or a store that cannot: kept
+            pass
+
 
 def handshake_seconds():
     return float(os.environ.get("KLM_SAVE_HANDSHAKE_TIMEOUT",
@@ -73,7 +103,8 @@ def enter_together(store, name, world, rank, seconds=None):
     if world == 1:
         return True
     seconds = handshake_seconds() if seconds is None else seconds
-    round_ = f"klm_enter/{name}/{_ENTERED.get(name, 0)}"
+    entered = _ENTERED.get(name, 0)
+    round_ = f"klm_enter/{name}/{entered}"
     deadline = time.monotonic() + seconds
     attempt = 0
     while True:
@@ -81,7 +112,10 @@ def enter_together(store, name, world, rank, seconds=None):
         if store.get(f"{key}/decision") is None:
             store.set_once(f"{key}/arrived/{rank}", "1")
             if _decision(store, key, world, rank, deadline) == "enter":
-                _ENTERED[name] = _ENTERED.get(name, 0) + 1
+                _ENTERED[name] = entered + 1
+                if rank == 0 and entered:
+                    # every process left the round before: none reads it
+                    store.forget(f"klm_enter/{name}/{entered - 1}")
                 return True
         if time.monotonic() > deadline:
             return False

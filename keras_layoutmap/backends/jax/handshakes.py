@@ -18,6 +18,7 @@ def enter_together(name):
     store = save_handshake.Store(
         client.key_value_try_get,
         lambda key, value: client.key_value_set(key, value,
-                                                allow_overwrite=False))
+                                                allow_overwrite=False),
+        client.key_value_delete)  # a directory: every key under it
     return save_handshake.enter_together(
         store, name, jax.process_count(), jax.process_index())

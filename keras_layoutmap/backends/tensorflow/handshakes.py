@@ -21,6 +21,7 @@ def enter_together(name):
     tf_context = context.context()
     store = save_handshake.Store(
         lambda key: tf_context.get_config_key_value(key, GET_WAIT_MS),
-        tf_context.set_config_key_value)  # refuses a key set already
+        tf_context.set_config_key_value,  # refuses a key set already
+        tf_context.delete_config_key_value)  # a directory: every key under it
     return save_handshake.enter_together(
         store, name, processes.process_count(), processes.process_index())
