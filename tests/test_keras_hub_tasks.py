@@ -2,14 +2,12 @@
 with their backbone's `get_layout_map` (keras-hub's distributed-tuning
 recipe, unchanged but for `import keras_layoutmap`): `CausalLM.fit` equal
 to one device, and (Llama) greedy `generate()`, then the same in int8,
-int4's layouts and `fit` in int8 with LoRA, the layouts read back from the
-backend. Gemma's recipe (fit,
+then LoRA and `fit` in int8; int4's layouts; the layouts read back from
+the backend. Gemma's recipe (fit,
 greedy and seeded generate of prompts of mixed lengths, an indivisible
 batch, LoRA, presets, int8) is in the workflow matrix (test_workflows.py),
 in every cell; here, the other architectures' rules, and the docs'
 recipe."""
-
-import contextlib
 
 import keras
 import numpy as np
@@ -163,7 +161,9 @@ QUANTIZED = ("llama",)
 def assert_int8_generate_equals_one_device(distribution, lm, reference):
     """The trained model quantized to int8 on the mesh (as on one device):
     greedy ids identical, each int8 kernel where the recipe's rule puts it,
-    each scale split as its kernel's split dimension."""
+    each scale split as its kernel's split dimension; then LoRA of rank 2
+    on its query and value projections and `fit` again: equal to one
+    device, the int8 kernels bit-identical before and after."""
     reference.quantize("int8")
     with distribution.scope():
         lm.quantize("int8")
@@ -179,18 +179,30 @@ def assert_int8_generate_equals_one_device(distribution, lm, reference):
     scale = next(v for v in lm.weights
                  if v.path.endswith("query/kernel_scale"))
     assert tuple(klm.fetch_layout(scale).axes) == (None, None, "batch", None)
+    # Tuned in int8 with LoRA, compiled outside the scope (the model was
+    # placed: its `fit` runs on the mesh).
+    frozen = {p: w for p, w in weights(lm).items() if w.dtype == np.int8}
+    for model in (lm, reference):
+        keras.utils.set_random_seed(1)  # the same LoRA draws for both
+        model.backbone.enable_lora(2)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history, expected = fit(lm), fit(reference)
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-4)
+    assert_equal(weights(lm), weights(reference))
+    for path, before in frozen.items():
+        np.testing.assert_array_equal(weights(lm)[path], before, path)
+    assert sum("lora" in v.path for v in lm.trainable_weights) == 4
 
 
-def quantized_llama(distribution, mode, lora=False):
+def quantized_llama(distribution, mode):
     """A fresh Llama quantized to `mode` through its backbone
     (`Backbone.quantize`; Gemma's rows call `CausalLM.quantize`), in
-    `distribution`'s scope if any, with LoRA of rank 2 on its query and
-    value projections if `lora`."""
-    with (distribution.scope() if distribution else contextlib.nullcontext()):
+    `distribution`'s scope."""
+    with distribution.scope():
         lm = build("llama")
         lm.backbone.quantize(mode)
-        if lora:
-            lm.backbone.enable_lora(2)
     return lm
 
 
@@ -208,23 +220,6 @@ def test_llama_int4_layouts(no_distribution):
                 if v.path.endswith("feedforward_gate_dense/kernel"))
     assert str(gate.dtype) == "int8"
     assert tuple(klm.fetch_layout(gate).axes) == ("batch", "model")
-
-
-def test_llama_int8_lora_fit(no_distribution):
-    """Llama under its recipe, int8 with LoRA: `fit` equal to one device,
-    the int8 kernels bit-identical before and after. (float8's `fit` under
-    a keras-hub recipe: the matrix's hub-quantized row.)"""
-    distribution = keras_model_parallel("llama")
-    reference = quantized_llama(None, "int8", lora=True)
-    lm = quantized_llama(distribution, "int8", lora=True)
-    frozen = {p: w for p, w in weights(lm).items() if w.dtype == np.int8}
-    assert len(frozen) >= 7
-    history, expected = fit(lm), fit(reference)
-    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-4)
-    assert_equal(weights(lm), weights(reference))
-    for path, before in frozen.items():
-        np.testing.assert_array_equal(weights(lm)[path], before, path)
-    assert sum("lora" in v.path for v in lm.trainable_weights) == 4
 
 
 def test_docs_recipe_runs(no_distribution):
