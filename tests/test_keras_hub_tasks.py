@@ -150,7 +150,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
                                   prompts()["token_ids"])
     assert (greedy[~mask] != 0).any()  # it generated
     if arch in QUANTIZED:
-        assert_int8_generate_equals_one_device(distribution, lm, reference)
+        assert_int8_generate_and_lora_fit_equal_one_device(distribution, lm, reference)
 
 
 # Architectures whose recipe also runs quantized (Gemma's: the matrix's
@@ -158,7 +158,7 @@ def test_fit_and_generate_equal_one_device(arch, no_distribution):
 QUANTIZED = ("llama",)
 
 
-def assert_int8_generate_equals_one_device(distribution, lm, reference):
+def assert_int8_generate_and_lora_fit_equal_one_device(distribution, lm, reference):
     """The trained model quantized to int8 on the mesh (as on one device):
     greedy ids identical, each int8 kernel where the recipe's rule puts it,
     each scale split as its kernel's split dimension; then LoRA of rank 2
