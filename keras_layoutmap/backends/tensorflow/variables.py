@@ -102,10 +102,14 @@ def _check_same_everywhere(variable, value, layout):
     """A host value assigned to a variable on a mesh that spans processes:
     the same on each (each keeps its own pieces of it), else an error on
     every process naming the variable. (Training's own assignments are
-    DTensors; a variable made from a value makes no check.)"""
-    mesh = to_dmesh(layout.mesh)
-    if len(mesh.local_device_ids()) == mesh.size:
-        return  # this process's devices alone
+    DTensors; a variable made from a value makes no check, nor one on a
+    mesh over some of the processes: the gather is over all of them.)"""
+    if processes.process_count() == 1:
+        return
+    owners = {int(i) // processes.local_device_count()
+              for i in np.ravel(to_dmesh(layout.mesh).global_device_ids())}
+    if len(owners) != processes.process_count():
+        return
     try:
         processes.check_same_everywhere(value)
     except ValueDiffersAcrossProcesses as e:
