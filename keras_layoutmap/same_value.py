@@ -22,6 +22,7 @@ they differ.
     A value of shape (4,) and dtype float32 placed on a mesh that
 """
 
+import contextlib
 import zlib
 
 import numpy as np
@@ -55,3 +56,13 @@ def check_same(every, index, shape, dtype):
             "Each process places its own pieces of the value it holds, so "
             "every process must pass the same one (the same file, the same "
             "seed).")
+
+
+@contextlib.contextmanager
+def naming(path):
+    """Within it, a `ValueDiffersAcrossProcesses` names the variable at
+    `path` (an assignment's check, from any backend)."""
+    try:
+        yield
+    except ValueDiffersAcrossProcesses as e:
+        raise ValueDiffersAcrossProcesses(f"Variable {path!r}: {e}") from None

@@ -6,6 +6,7 @@ import functools
 import jax
 import numpy as np
 
+from keras_layoutmap import same_value
 from keras_layoutmap.backends.jax import devices
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.processes import (
@@ -15,7 +16,6 @@ from keras_layoutmap.backends.jax.processes import (
 )
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import Mesh
-from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def configure_virtual_devices(n):
@@ -144,11 +144,8 @@ def wrap_direct_assign(direct_assign):
 
     @functools.wraps(direct_assign)
     def assign(self, value):
-        try:
+        with same_value.naming(self.path):
             return direct_assign(self, value)
-        except ValueDiffersAcrossProcesses as e:
-            raise ValueDiffersAcrossProcesses(
-                f"Variable {self.path!r}: {e}") from None
 
     return assign
 

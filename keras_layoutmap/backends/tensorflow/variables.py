@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap import same_value
 from keras_layoutmap.backends.tensorflow import processes
 from keras_layoutmap.backends.tensorflow.initialization import born_sharded
 from keras_layoutmap.backends.tensorflow.placement import (
@@ -17,7 +18,6 @@ from keras_layoutmap.backends.tensorflow.placement import (
     to_host,
 )
 from keras_layoutmap.layout import Layout, as_layout
-from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def _make_dvariable(variable, value, layout):
@@ -110,11 +110,8 @@ def _check_same_everywhere(variable, value, layout):
               for i in np.ravel(to_dmesh(layout.mesh).global_device_ids())}
     if len(owners) != processes.process_count():
         return
-    try:
+    with same_value.naming(variable.path):
         processes.check_same_everywhere(value)
-    except ValueDiffersAcrossProcesses as e:
-        raise ValueDiffersAcrossProcesses(
-            f"Variable {variable.path!r}: {e}") from None
 
 
 def wrap_numpy(original):

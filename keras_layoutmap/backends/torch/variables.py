@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_layoutmap import same_value
 from keras_layoutmap.backends.torch import initialization, processes
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
@@ -19,7 +20,6 @@ from keras_layoutmap.backends.torch.placement import (
     to_layout,
 )
 from keras_layoutmap.layout import Layout, as_layout
-from keras_layoutmap.same_value import ValueDiffersAcrossProcesses
 
 
 def _parameter(variable, value):
@@ -111,11 +111,8 @@ def _check_same_everywhere(variable, value, current):
     DTensors; a variable made on some processes only makes no check.)"""
     if current.device_mesh.size() != processes.world_size():
         return
-    try:
+    with same_value.naming(variable.path):
         processes.check_same_everywhere(value)
-    except ValueDiffersAcrossProcesses as e:
-        raise ValueDiffersAcrossProcesses(
-            f"Variable {variable.path!r}: {e}") from None
 
 
 def _layout_of(value):
