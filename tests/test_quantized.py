@@ -1,6 +1,6 @@
 """Quantized models: what the workflow matrix does not run in every cell.
-The matrix (tests/workflows.py: quantized-predict, quantized-lora-fit,
-quantized-float8-fit, hub-quantized) runs int8, int4 and float8 under
+The matrix (tests/workflows.py: quantized-lora-fit, quantized-float8-fit,
+hub-quantized) runs int8, int4 and float8 under
 a plan on every backend, one process and several, against one device.
 Here: keras-hub's int8 recipe under the plugin gives what plain Keras gives
 without it (JAX, where plain Keras places weights), and the rules alone

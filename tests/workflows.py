@@ -132,25 +132,23 @@ WORKFLOWS = (
              "`scope()`, then `fit` and `predict`: every weight held as the "
              "plan says, read from the backend (on TensorFlow the plan keeps "
              "the convolution's kernel whole, which DTensor needs)."),
-    Workflow("quantized-predict",
-             "`model.quantize(mode)` for int8, int4 and float8 of a Functional "
-             "MLP: with Keras' `ModelParallel` set (its rule `d1/kernel` also "
-             "matches `d1/kernel_scale`), and on a model a klm "
-             "`LayoutMap.scope()` placed before `quantize`; `predict` equal, every "
-             "quantized kernel where its rule puts it and each added variable "
-             "(scales, zero points, int4's `g_idx`, float8's amax histories) "
-             "following the kernel's split, read from the backend."),
     Workflow("quantized-lora-fit",
-             "int8 and int4 quantized inside a klm `LayoutMap.scope()`, then "
-             "`enable_lora(2)`, then `fit`: losses, LoRA weights and "
-             "predictions equal; the quantized kernels bit-identical to one "
-             "device's, before and after training."),
+             "A Functional MLP quantized to int8 with Keras' `ModelParallel` "
+             "set (its rule `d1/kernel` also matches `d1/kernel_scale`), and "
+             "to int4 on a model a klm `LayoutMap.scope()` placed before "
+             "`quantize`; then `enable_lora(2)`, `predict`, `fit` and "
+             "`predict`: losses, LoRA weights and predictions equal; the "
+             "quantized kernels bit-identical to one device's, before and "
+             "after training; every weight where the plan puts it, each "
+             "added variable (scales, zero points, int4's `g_idx`, LoRA's "
+             "matrices) following its kernel's split, read from the "
+             "backend."),
     Workflow("quantized-float8-fit",
-             "`quantize(\"float8\")` inside a klm scope, then `fit` with "
-             "Adam: "
-             "losses, kernels, scales and every amax history equal (biases "
-             "to bfloat16 rounding: Keras' float8 Dense rounds their "
-             "gradient)."),
+             "`quantize(\"float8\")` inside a klm scope, `predict`, then "
+             "`fit` with Adam: losses, kernels, scales and every amax "
+             "history equal (biases to bfloat16 rounding: Keras' float8 "
+             "Dense rounds their gradient); the amax histories and scales "
+             "replicated, the kernels where their rules put them."),
     Workflow("hub-quantized",
              "keras-hub's recipe, a tiny `GemmaCausalLM` quantized inside "
              "the scope in all three modes, a layer each "
