@@ -1,7 +1,8 @@
-"""The torch data-parallel fast path (`backends/torch/local_pieces.py`):
-a model whose weights are all replicated runs its layers on each process's
-own rows, and its optimizer on each process's local copies, only where that
-gives DTensor's numbers. Each test checks which path a call took and that
+"""The torch fast path (`backends/torch/local_pieces.py`,
+`local_updates.py`): a model whose weights are replicated, or split over
+the batch axis (FSDP: gathered whole for the call), runs its layers on each
+process's own rows, and its optimizer on each process's pieces, only where
+that gives DTensor's numbers. Each test checks which path a call took and that
 training equals one process, with a short last batch.
 
 Runs under `python -m keras_layoutmap.launch -n 4 -m pytest` (nox -s
@@ -208,7 +209,16 @@ def test_calls_the_fast_path_cannot_take_stay_on_dtensors(digits, case):
                         atol=atol)
 
 
-def test_a_sharded_weight_keeps_the_dtensor_path(digits):
+def local_updates():
+    from keras_layoutmap.backends.torch import local_updates
+
+    return local_updates
+
+
+def test_a_weight_split_over_the_model_axis_keeps_the_call_on_dtensors(digits):
+    """Tensor parallelism: the processes along "model" hold the same rows,
+    so d1's call stays on DTensors; Adam's update (elementwise, its moments
+    laid out as the kernel) runs on each process's pieces."""
     mesh = mp_mesh()
     lm = klm.LayoutMap(mesh)
     lm[r"d1\.kernel"] = (None, "model")
@@ -218,8 +228,78 @@ def test_a_sharded_weight_keeps_the_dtensor_path(digits):
     assert_same_training(model, fit(model, digits), reference, fit(reference, digits))
     plans = local_pieces().local_plans(model)
     assert not any(plans.values()), plans
-    assert local_pieces().replicated_update_mesh(
-        model.optimizer, model.trainable_variables) is None
+    kernel = model.get_layer("d1").kernel
+    assert local_updates().local_update_mesh(
+        model.optimizer, model.trainable_variables) == kernel.value.device_mesh
+
+
+# (optimizer, whether its update runs on each process's pieces)
+FSDP_OPTIMIZERS = {
+    "Adam": (lambda: keras.optimizers.Adam(0.01), True),
+    "SGD with momentum": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), True),
+    # a norm reads the whole gradient: the update stays on DTensors
+    "Adam with clipnorm": (lambda: keras.optimizers.Adam(0.01, clipnorm=0.5),
+                           False),
+}
+
+
+GATHER = "_c10d_functional.all_gather_into_tensor.default"
+REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+@pytest.mark.parametrize("name", FSDP_OPTIMIZERS)
+def test_fsdp_calls_gather_each_split_weight_and_match_one_process(digits, name):
+    """`klm.fsdp` over the batch axis: each call gathers every split weight
+    whole (one all-gather each) and runs on the process's rows; the
+    backward sums each gradient into the pieces (one reduce-scatter each);
+    the weights stay split. Equal to one process, with a short last
+    batch."""
+    import torch
+
+    make, local_update = FSDP_OPTIMIZERS[name]
+    mesh = dp_mesh()
+    with klm.fsdp(mesh, axis="batch", min_bytes=0).scope():
+        model = digits_net(optimizer=make())
+    split = [v for v in model.trainable_variables
+             if "batch" in klm.fetch_layout(v).sharding_specs]
+    # d2's bias (10 numbers) does not split in 4: replicated
+    assert [v.path for v in split] == ["d1/kernel", "d1/bias", "d2/kernel"]
+    reference = digits_net(optimizer=make())
+    ref_history = fit(reference, digits)
+    history = fit(model, digits)
+    plans = local_pieces().local_plans(model)
+    assert len(plans) == 2 and all(plans.values()), plans
+    assert_same_training(model, history, reference, ref_history)
+    for v in split:  # still split after training
+        assert "batch" in klm.fetch_layout(v).sharding_specs, v.path
+    assert (local_updates().local_update_mesh(
+        model.optimizer, model.trainable_variables) is not None) == local_update
+    # One step's DTensor collectives: an all-gather and a reduce-scatter
+    # per split weight (the loss and metrics add all-reduces of their own).
+    x, y = digits
+    counted = local_pieces()._Collectives()
+    with counted:
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    reference.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    names = [str(f) for f in counted.seen]
+    assert names.count(GATHER) == len(split), names
+    assert names.count(REDUCE_SCATTER) == len(split), names
+    # Without gradients each weight is gathered where the call reads it,
+    # and not kept: one all-gather each (and one of the predictions, which
+    # predict returns whole), no reduce-scatter. (A signature's first call
+    # gathers for its trial too.)
+    model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
+    counted = local_pieces()._Collectives()
+    with counted:
+        predicted = model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
+    names = [str(f) for f in counted.seen]
+    assert names.count(GATHER) == len(split) + 1, names
+    assert REDUCE_SCATTER not in names, names
+    np.testing.assert_allclose(
+        predicted, reference.predict(x[:BATCH], batch_size=BATCH, verbose=0),
+        rtol=1e-5, atol=1e-6)
+    assert all(local_pieces().local_plans(model).values())
+    torch.distributed.barrier()
 
 
 def test_signatures_tried_per_model_are_bounded(digits, monkeypatch):

@@ -5,15 +5,15 @@ splitting the batch as partial sums (`Partial`), one per process. They are
 summed here for all weights at once, one all-reduce per mesh axis and dtype
 (as DDP buckets its gradients), and each gradient is laid out like its
 weight before the optimizer applies it. Where the weights and the
-optimizer's variables are all replicated, the optimizer then updates each
-process's local copies (`local_pieces.apply_locally`).
+optimizer's slots are laid out as their weights, the optimizer then updates
+each process's pieces (`local_updates`).
 """
 
 import functools
 
 from torch.distributed.tensor import DTensor, Partial
 
-from keras_layoutmap.backends.torch import local_pieces, local_step
+from keras_layoutmap.backends.torch import local_step, local_updates
 from keras_layoutmap.backends.torch.placement import summed, to_layout
 from keras_layoutmap.layout import as_layout
 
@@ -79,9 +79,9 @@ def gradients_like_weights(pairs):
 
 
 def local_gradients(pairs, device_mesh):
-    """Each gradient's local tensor, summed over the batch axes, when every
-    gradient is its replicated weight's on `device_mesh` (or sums of it to
-    take); else None, with nothing communicated."""
+    """Each gradient's local piece, summed over the batch axes, when every
+    gradient is laid out as its weight on `device_mesh` (or is sums of it
+    to take); else None, with nothing communicated."""
     for grad, variable in pairs:
         if grad is None:
             continue
@@ -99,33 +99,33 @@ def local_gradients(pairs, device_mesh):
 def _apply_summed(original, optimizer, grads, trainable_variables):
     """`original` apply on a local step's gradients summed over the
     processes; the applies it makes in turn take them as they are."""
-    local_pieces.APPLYING[0] = True
+    local_updates.APPLYING[0] = True
     try:
         return original(optimizer, local_step.reduce_gradients(grads),
                         trainable_variables)
     finally:
-        local_pieces.APPLYING[0] = False
+        local_updates.APPLYING[0] = False
 
 
 def wrap_apply(original):
     """`optimizer.apply`: gradients laid out like their weights first; on
-    local copies where everything is replicated."""
+    each process's pieces where `local_updates` says it may."""
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
         variables = (trainable_variables if trainable_variables is not None
                      else getattr(self, "_trainable_variables", None))
-        if variables is None or local_pieces.APPLYING[0]:
+        if variables is None or local_updates.APPLYING[0]:
             return original(self, grads, trainable_variables)
         if local_step.stepping():  # in a local step's scope: sum, then update
             return _apply_summed(original, self, grads, trainable_variables)
         pairs = list(zip(grads, variables))
-        mesh = local_pieces.replicated_update_mesh(self, variables)
+        mesh = local_updates.local_update_mesh(self, variables)
         if mesh is not None:
             local = local_gradients(pairs, mesh)
             if local is not None:
-                return local_pieces.apply_locally(self, original, local,
-                                                  variables)
+                return local_updates.apply_locally(self, original, local,
+                                                   variables)
         pairs = gradients_like_weights(pairs)
         return original(self, [g for g, _ in pairs], trainable_variables)
 
@@ -142,7 +142,7 @@ def wrap_outer_apply(original):
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        if not local_step.stepping() or local_pieces.APPLYING[0]:
+        if not local_step.stepping() or local_updates.APPLYING[0]:
             return original(self, grads, trainable_variables)
         return _apply_summed(original, self, grads, trainable_variables)
 

@@ -12,9 +12,17 @@ decides it op by op, in Python, at many times the cost of a small op. So:
   weight's gradient arrives as partial sums over the axes that split the
   batch (as DTensor leaves it), and `gradients` sums all of them in one
   all-reduce, as DDP's buckets do.
-- **an optimizer update** whose weights, gradients and slots are all
-  replicated runs on each process's local copies: every process holds the
-  same numbers and does the same arithmetic.
+- **weights split over the dims that split the rows** (FSDP's) are
+  gathered whole, one all-gather each, and the call runs as above on the
+  whole weights; their gradients come back summed over the processes into
+  each one's piece (the gather's backward: one reduce-scatter each), as
+  FSDP's do. A call with gradients gathers them as it starts (its
+  backward keeps them anyway); one without gathers each where it is read
+  and keeps none (`_GatheredWhereRead`). A weight split over a dim whose
+  processes hold the same rows (tensor parallelism) keeps the call on
+  DTensors.
+- **an optimizer update** runs on each process's pieces where that is the
+  same arithmetic (`local_updates`).
 
 In `fit`, where the loss is a mean over rows and the metrics are sums,
 `local_step` goes further and runs Keras' whole training step on plain
@@ -22,13 +30,14 @@ tensors; it relies on this module's decision for the model call.
 
 A call is local only where that gives DTensor's numbers. This is checked
 once per model and input signature (shapes, dtypes, placements, flags) by a
-trial call on DTensors, with no gradients and no state kept, under DTensor's
-strict redistribution check: the trial must need no redistribution and no
-communication, draw no random numbers, assign no variable, add no loss,
-and return outputs split by rows as its inputs. Batch normalization (batch
-statistics), dropout (one device's random mask), a layer that indexes the
-batch or reduces over it, a plain tensor among the inputs, a sharded
-weight: each keeps the DTensor path. The first local call must then give
+trial call on DTensors (the split weights gathered whole), with no
+gradients and no state kept, under DTensor's strict redistribution check:
+the trial must need no redistribution and no communication, draw no
+random numbers, assign no variable, add no loss, and return outputs split
+by rows as its inputs. Batch normalization (batch statistics), dropout
+(one device's random mask), a layer that indexes the batch or reduces over
+it, a plain tensor among the inputs, a weight split over the model axis:
+each keeps the DTensor path. The first local call must then give
 this process's pieces of the trial's outputs exactly, on every process
 (which catches a layer that reads the batch size as a number, or a variable
 the model does not own). A local call that assigns, draws or adds a loss
@@ -38,6 +47,7 @@ restored, and the call made on DTensors.
 `KLM_TORCH_LOCAL_PIECES=0` turns the fast path off (every call on DTensors).
 """
 
+import contextlib
 import os
 import weakref
 
@@ -60,7 +70,6 @@ NOT_LOCAL = object()  # what a `run_*` returns when the call is not local
 MAX_SIGNATURES = 32
 
 _PLANS = weakref.WeakKeyDictionary()  # model -> {signature: _Plan or None}
-APPLYING = [False]  # set while `apply_locally` runs
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -68,9 +77,9 @@ class _Plan:
     """How a model call with one input signature runs locally."""
 
     __slots__ = ("mesh", "placements", "grad_placements", "rows",
-                 "variables", "values", "trial", "masked")
+                 "variables", "values", "gathered", "trial", "masked")
 
-    def __init__(self, mesh, placements, rows, variables):
+    def __init__(self, mesh, placements, rows, variables, gathered):
         self.mesh = mesh
         self.placements = placements
         # The gradient of a replicated weight from a process's rows: a
@@ -81,6 +90,9 @@ class _Plan:
         self.rows = rows
         self.variables = variables
         self.values = tuple(v._value for v in variables)
+        # Per variable: True where it is split (over mesh dims that split
+        # the rows) and gathered whole for the call.
+        self.gathered = tuple(gathered)
         # The trial's outputs (this process's pieces), which the first
         # local call must equal; None once it did.
         self.trial = None
@@ -137,6 +149,54 @@ def _is_replicated(value):
         isinstance(p, Replicate) for p in value.placements)
 
 
+def _gathered(value, mesh, places):
+    """For a weight in a call on inputs split by `places` over `mesh`:
+    False where it is replicated, True where it is split only over mesh
+    dims that split the rows (FSDP's weights: gathered whole for the call,
+    their gradients summed back into pieces), None where it cannot be used
+    locally (another mesh, or split over a dim whose processes hold the
+    same rows: tensor parallelism, which the call keeps on DTensors)."""
+    if not isinstance(value, DTensor) or value.device_mesh != mesh:
+        return None
+    if _is_replicated(value):
+        return False
+    if all(isinstance(p, Replicate) or isinstance(places[dim], Shard)
+           for dim, p in enumerate(value.placements)):
+        return True
+    return None
+
+
+def _whole(value, mesh):
+    """A split weight gathered whole on every process (one all-gather; its
+    gradient's backward sums the processes' gradients into the pieces:
+    one reduce-scatter)."""
+    return value.redistribute(mesh, [Replicate()] * mesh.ndim)
+
+
+class _GatheredWhereRead(dict):
+    """A `StatelessScope`'s mapping in which each weight of `split` ({id:
+    its DTensor}) is gathered whole where the call reads it, and not kept:
+    a call without gradients holds one whole weight at a time, as DTensor's
+    own ops do (a call with gradients keeps them anyway, for the backward).
+    `local`: a read gives the whole weight's local tensor (a local call),
+    else its replicated DTensor (the trial); `aside`: the context each
+    gather runs in."""
+
+    def __init__(self, mapping, split, local, aside=contextlib.nullcontext):
+        super().__init__(mapping)
+        self.split, self.local, self.aside = split, local, aside
+
+    def get(self, key, default=None):  # what `get_current_value` reads
+        if key in self:
+            return self[key]
+        value = self.split.get(key)
+        if value is None:
+            return default
+        with self.aside():
+            whole = _whole(value, value.device_mesh)
+        return whole._local_tensor if self.local else whole
+
+
 def _local_plan(model, original, args, kwargs):
     """A `_Plan` when the call's local pieces give DTensor's numbers."""
     inputs = [x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
@@ -148,14 +208,14 @@ def _local_plan(model, original, args, kwargs):
         return None
     variables = [v for v in model.variables
                  if isinstance(getattr(v, "_value", None), torch.Tensor)]
-    if not all(_is_replicated(v._value)
-               and v._value.device_mesh == first.device_mesh
-               for v in variables):
+    gathered = [_gathered(v._value, first.device_mesh, places) for v in variables]
+    if None in gathered:
         return None
-    trial = _trial(model, original, args, kwargs, places, first.shape[0])
+    whole = {id(v): v for v, g in zip(variables, gathered) if g}
+    trial = _trial(model, original, args, kwargs, places, first.shape[0], whole)
     if trial is None:
         return None
-    plan = _Plan(first.device_mesh, places, first.shape[0], variables)
+    plan = _Plan(first.device_mesh, places, first.shape[0], variables, gathered)
     plan.trial, plan.masked = trial
     return plan
 
@@ -167,17 +227,20 @@ class _Collectives(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen = []
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        if (func.namespace in ("c10d", "_c10d_functional", "c10d_functional")
+                and not self.paused):
             self.seen.append(func)
         return func(*args, **(kwargs or {}))
 
 
-def _trial(model, original, args, kwargs, places, rows):
+def _trial(model, original, args, kwargs, places, rows, gathered):
     """Call the model on DTensors with nothing kept (no gradients, no
-    assignments, the random generator restored). When nothing in the call
-    looked across rows or changed state: this process's pieces of its
+    assignments, the random generator restored), the weights of
+    `gathered` ({id: variable}) gathered whole first. When nothing in the
+    call looked across rows or changed state: this process's pieces of its
     outputs (and their masks), and whether there were masks; else None."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
@@ -186,6 +249,18 @@ def _trial(model, original, args, kwargs, places, rows):
     generator = torch.random.get_rng_state()
     scope = StatelessScope(collect_losses=True)
     collectives = _Collectives()
+
+    @contextlib.contextmanager
+    def aside():  # a gather is the plan's, not the call's
+        collectives.paused = True
+        try:
+            with ExplicitRedistributionContext(enable=False):
+                yield
+        finally:
+            collectives.paused = False
+
+    scope.state_mapping = _GatheredWhereRead(
+        {}, {key: v._value for key, v in gathered.items()}, False, aside)
     try:
         with (torch.no_grad(), scope,
               ExplicitRedistributionContext(strict=True, mode="raise"),
@@ -196,7 +271,8 @@ def _trial(model, original, args, kwargs, places, rows):
     finally:
         drew = not torch.equal(generator, torch.random.get_rng_state())
         torch.random.set_rng_state(generator)
-    if drew or scope.losses or scope.state_mapping or collectives.seen:
+    assigned = len(scope.state_mapping) > 0
+    if drew or scope.losses or assigned or collectives.seen:
         return None
     leaves = _with_masks(outputs)
     if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
@@ -280,15 +356,22 @@ def run_model_call(model, original, args, kwargs):
     if plan is None:
         return NOT_LOCAL
     grad = torch.is_grad_enabled()
-    mapping = {}
-    for variable, value in zip(plan.variables, plan.values):
+    mapping, split = {}, {}
+    for variable, value, gathered in zip(plan.variables, plan.values,
+                                         plan.gathered):
+        if gathered and not grad:
+            split[id(variable)] = value  # gathered where read
+            continue
+        if gathered:
+            value = _whole(value, plan.mesh)
         mapping[id(variable)] = (
             value.to_local(grad_placements=plan.grad_placements)
             if grad and value.requires_grad else value._local_tensor)
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     generator = torch.random.get_rng_state()
     scope = StatelessScope(collect_losses=True)
-    scope.state_mapping = dict(mapping)
+    scope.state_mapping = (_GatheredWhereRead(mapping, split, True) if split
+                           else dict(mapping))
     with scope:
         outputs = original(model, *local_args, **local_kwargs)
     if (scope.losses or len(scope.state_mapping) != len(mapping)
@@ -333,41 +416,3 @@ def run_model_call(model, original, args, kwargs):
 
     return tree.map_structure(
         lambda x: None if x is None else to_dtensor(x), outputs)
-
-
-def replicated_update_mesh(optimizer, variables):
-    """The `DeviceMesh` that the optimizer's weights and variables are all
-    replicated on, or None (then it updates them on DTensors, as in a
-    scope of the caller's own: `stateless_apply`)."""
-    if not ENABLED or not optimizer.built or in_stateless_scope():
-        return None
-    values = [getattr(v, "_value", None)
-              for v in (*variables, *optimizer.variables)]
-    if not values or not all(_is_replicated(x) for x in values):
-        return None
-    mesh = values[0].device_mesh
-    return mesh if all(x.device_mesh == mesh for x in values) else None
-
-
-def apply_locally(optimizer, original, grads, variables):
-    """`original(optimizer, grads, variables)` on each process's local
-    copies: `grads` are local tensors, the same on every process, and
-    every variable is replicated (`replicated_update_mesh`)."""
-    state = [*variables, *optimizer.variables]
-    mapping = {id(v): v._value._local_tensor for v in state}
-    scope = StatelessScope()
-    scope.state_mapping = dict(mapping)
-    APPLYING[0] = True  # an inner optimizer's apply (loss scaling) as it is
-    try:
-        with scope:
-            result = original(optimizer, grads, variables)
-    finally:
-        APPLYING[0] = False
-    # What was updated in place is in the local tensors already; what was
-    # assigned, the scope kept.
-    with torch.no_grad():
-        for key, local in mapping.items():
-            new = scope.state_mapping[key]
-            if new is not local:
-                local.copy_(new)
-    return result

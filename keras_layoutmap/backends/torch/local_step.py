@@ -137,7 +137,10 @@ def prepare(model, batch, training=True):
     if key is None:
         return None
     plan = local_pieces.plan_of(model, key)
-    if plan is None or plan.trial is not None or plan.masked:
+    # (A plan that gathers split weights: the step maps every variable to
+    # its local piece, which is not the whole weight.)
+    if (plan is None or plan.trial is not None or plan.masked
+            or any(plan.gathered)):
         return None
     for leaf in _leaves((y, sample_weight)):
         if leaf is None:
