@@ -136,12 +136,17 @@ def mlp(name="mlp", optimizer=None):
 
 
 def train_evaluate_predict(model):
+    """`fit`, `evaluate`, `predict`, then a step of each `*_on_batch`
+    method (every process passes the same batch, as to `fit`)."""
     x, y = digits_data(DIGITS_ROWS)
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
                         verbose=0).history
     return {"loss": history["loss"], "accuracy": history["accuracy"],
             "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
             "predict": model.predict(x[:37], batch_size=16, verbose=0),
+            "train_on_batch": model.train_on_batch(x[:64], y[:64]),
+            "test_on_batch": model.test_on_batch(x[:64], y[:64]),
+            "predict_on_batch": model.predict_on_batch(x[:40]),
             **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
 
 
@@ -217,6 +222,10 @@ def klm_strict_two_models(distributed, folder):
     for model in models:
         out[model.name] = model.fit(x, y, batch_size=64, epochs=1, verbose=0,
                                     shuffle=False).history["loss"]
+        # a step of each `*_on_batch` method, the same batch on every process
+        out[f"{model.name} on batch"] = [model.train_on_batch(x[:64], y[:64]),
+                                         model.test_on_batch(x[:64], y[:64])]
+        out[f"{model.name} predict_on_batch"] = model.predict_on_batch(x[:40])
         for i, w in enumerate(numpy_weights(model)):
             out[f"{model.name}{i}"] = w
     return out

@@ -68,18 +68,19 @@ WORKFLOWS = (
              "The Keras distribution guide's `DataParallel(devices="
              "keras.distribution.list_devices())`, "
              "`set_distribution`, then `fit` (a short last batch), "
-             "`evaluate` and `predict` of a Sequential MLP on the digits."),
+             "`evaluate`, `predict` and a step of each `*_on_batch` method "
+             "of a Sequential MLP on the digits."),
     Workflow("keras-model-parallel",
              "The guide's `ModelParallel` with a Keras `LayoutMap` "
              "(`d1/kernel`, `d1/bias`, `d2/kernel` over `model`) on a "
              "(batch, model) mesh, the model built in `distribution.scope()`, "
-             "then `fit`, `evaluate`, `predict`; the kernel's layout read "
-             "back from the backend."),
+             "then `fit`, `evaluate`, `predict` and the `*_on_batch` "
+             "methods; the kernel's layout read back from the backend."),
     Workflow("klm-strict-two-models",
              "One strict `klm.LayoutMap` whose rules place two models built "
              "in its `scope()` (an encoder and a classifier), each then "
-             "trained with `fit`: no rule of the other model is called "
-             "unused."),
+             "trained with `fit` and a step of each `*_on_batch` method: no "
+             "rule of the other model is called unused."),
     Workflow("callbacks",
              "`fit` under klm rules with `BackupAndRestore` and "
              "`ModelCheckpoint(save_weights_only=True)`, interrupted after "

@@ -115,6 +115,9 @@ def install():
         keras_torch.trainer._gather_non_batch_axes = (
             training.wrap_gather_non_batch_axes(
                 keras_torch.gather_non_batch_axes))
+    if keras_torch.distribute_data is not None:  # Keras 3.16
+        keras_torch.trainer._distribute_data = training.wrap_distribute_data(
+            keras_torch.distribute_data)
     Model.__call__ = training.wrap_model_call(Model.__call__)
     keras_torch.random.dropout = random_draws.wrap_dropout(
         keras_torch.random.dropout)

@@ -61,6 +61,9 @@ reduces_metrics = "get_metrics_result" in vars(Trainer)
 TorchEpochIterator = optional("keras.src.backend.torch.trainer:TorchEpochIterator")
 gather_non_batch_axes = optional(
     "keras.src.backend.torch.trainer:_gather_non_batch_axes")
+# (3.16) how the `*_on_batch` methods place a batch: `ModelParallel`'s as
+# each process's own rows of a larger batch
+distribute_data = optional("keras.src.backend.torch.trainer:_distribute_data")
 TorchOptimizer = private(
     "keras.src.backend.torch.optimizers.torch_optimizer:TorchOptimizer")
 # Keras' optimizers whose own `apply` applies through other optimizers.

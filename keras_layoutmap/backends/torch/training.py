@@ -259,6 +259,25 @@ def wrap_epoch_iterator(original):
     return _get_iterator
 
 
+def wrap_distribute_data(original):
+    """Keras 3.16's `train_on_batch`, `test_on_batch` and `predict_on_batch`
+    take a `ModelParallel` batch as each process's own rows of a batch P
+    times larger (every process's, gathered): a script that passes every
+    process the same batch, as klm's data are (and as `fit` takes them),
+    would train on P copies and predict P times its rows. On a klm mesh
+    they take host tensors, as on 3.15; the step places them
+    (`distribute_batch`)."""
+
+    @functools.wraps(original)
+    def _distribute_data(data, layouts=None):
+        if _mesh_distribution() is None:
+            return original(data, layouts)
+        return tree.map_structure(
+            lambda x: None if x is None else convert_to_tensor(x), data)
+
+    return _distribute_data
+
+
 def wrap_gather_non_batch_axes(original):
     """Keras 3.16 cuts a prediction to each process's rows; a klm
     prediction comes back whole to every process (`_host_outputs`)."""
