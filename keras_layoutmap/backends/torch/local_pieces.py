@@ -238,10 +238,11 @@ class _Collectives(TorchDispatchMode):
 
 def _trial(model, original, args, kwargs, places, rows, gathered):
     """Call the model on DTensors with nothing kept (no gradients, no
-    assignments, the random generator restored), the weights of
-    `gathered` ({id: variable}) gathered whole first. When nothing in the
-    call looked across rows or changed state: this process's pieces of its
-    outputs (and their masks), and whether there were masks; else None."""
+    assignments, the random generator restored), each weight of
+    `gathered` ({id: variable}) gathered whole where it is read (the
+    gathers set aside from the checks). When nothing in the call looked
+    across rows or changed state: this process's pieces of its outputs
+    (and their masks), and whether there were masks; else None."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
     except ImportError:  # another torch: no check, so no fast path

@@ -16,7 +16,8 @@ update runs on the local tensors instead, with the same arithmetic:
   which are the numbers DTensor's ops would update there. Clipping by a
   norm (`clipnorm`, `global_clipnorm`) reads the whole gradient: it keeps
   the DTensor path, as does any optimizer not in `ELEMENTWISE` (Lamb,
-  Adafactor, Muon, a subclass's own update, loss scaling).
+  Adafactor, Muon, a subclass's own update). A `LossScaleOptimizer` tests
+  the gradients on DTensors, then its inner optimizer updates as above.
 
 Anything else updates on DTensors (`gradients.wrap_apply`).
 """
