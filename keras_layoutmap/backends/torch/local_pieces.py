@@ -18,7 +18,7 @@ decides it op by op, in Python, at many times the cost of a small op. So:
   each one's piece (the gather's backward: one reduce-scatter each), as
   FSDP's do. A call with gradients gathers them as it starts (its
   backward keeps them anyway); one without gathers each where it is read
-  and keeps none (`_GatheredWhereRead`). A weight split over a dim whose
+  and keeps none (`gathered_weights`). A weight split over a dim whose
   processes hold the same rows (tensor parallelism) keeps the call on
   DTensors.
 - **an optimizer update** runs on each process's pieces where that is the
@@ -56,6 +56,7 @@ from keras import tree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keras_layoutmap.backends.torch import gathered_weights
 from keras_layoutmap.backends.torch.placement import contiguous_stride
 from keras_layoutmap.keras_internals import (
     StatelessScope,
@@ -144,59 +145,6 @@ def signature(args, kwargs, entry=dtensor_entry):
     return tuple(key) if found else None
 
 
-def _is_replicated(value):
-    return isinstance(value, DTensor) and all(
-        isinstance(p, Replicate) for p in value.placements)
-
-
-def _gathered(value, mesh, places):
-    """For a weight in a call on inputs split by `places` over `mesh`:
-    False where it is replicated, True where it is split only over mesh
-    dims that split the rows (FSDP's weights: gathered whole for the call,
-    their gradients summed back into pieces), None where it cannot be used
-    locally (another mesh, or split over a dim whose processes hold the
-    same rows: tensor parallelism, which the call keeps on DTensors)."""
-    if not isinstance(value, DTensor) or value.device_mesh != mesh:
-        return None
-    if _is_replicated(value):
-        return False
-    if all(isinstance(p, Replicate) or isinstance(places[dim], Shard)
-           for dim, p in enumerate(value.placements)):
-        return True
-    return None
-
-
-def _whole(value, mesh):
-    """A split weight gathered whole on every process (one all-gather; its
-    gradient's backward sums the processes' gradients into the pieces:
-    one reduce-scatter)."""
-    return value.redistribute(mesh, [Replicate()] * mesh.ndim)
-
-
-class _GatheredWhereRead(dict):
-    """A `StatelessScope`'s mapping in which each weight of `split` ({id:
-    its DTensor}) is gathered whole where the call reads it, and not kept:
-    a call without gradients holds one whole weight at a time, as DTensor's
-    own ops do (a call with gradients keeps them anyway, for the backward).
-    `local`: a read gives the whole weight's local tensor (a local call),
-    else its replicated DTensor (the trial); `aside`: the context each
-    gather runs in."""
-
-    def __init__(self, mapping, split, local, aside=contextlib.nullcontext):
-        super().__init__(mapping)
-        self.split, self.local, self.aside = split, local, aside
-
-    def get(self, key, default=None):  # what `get_current_value` reads
-        if key in self:
-            return self[key]
-        value = self.split.get(key)
-        if value is None:
-            return default
-        with self.aside():
-            whole = _whole(value, value.device_mesh)
-        return whole._local_tensor if self.local else whole
-
-
 def _local_plan(model, original, args, kwargs):
     """A `_Plan` when the call's local pieces give DTensor's numbers."""
     inputs = [x for x in tree.flatten((args, kwargs)) if isinstance(x, DTensor)]
@@ -208,7 +156,8 @@ def _local_plan(model, original, args, kwargs):
         return None
     variables = [v for v in model.variables
                  if isinstance(getattr(v, "_value", None), torch.Tensor)]
-    gathered = [_gathered(v._value, first.device_mesh, places) for v in variables]
+    gathered = [gathered_weights.gathered(v._value, first.device_mesh, places)
+                for v in variables]
     if None in gathered:
         return None
     whole = {id(v): v for v, g in zip(variables, gathered) if g}
@@ -260,7 +209,7 @@ def _trial(model, original, args, kwargs, places, rows, gathered):
         finally:
             collectives.paused = False
 
-    scope.state_mapping = _GatheredWhereRead(
+    scope.state_mapping = gathered_weights.GatheredWhereRead(
         {}, {key: v._value for key, v in gathered.items()}, False, aside)
     try:
         with (torch.no_grad(), scope,
@@ -364,15 +313,16 @@ def run_model_call(model, original, args, kwargs):
             split[id(variable)] = value  # gathered where read
             continue
         if gathered:
-            value = _whole(value, plan.mesh)
+            value = gathered_weights.whole(value, plan.mesh)
         mapping[id(variable)] = (
             value.to_local(grad_placements=plan.grad_placements)
             if grad and value.requires_grad else value._local_tensor)
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     generator = torch.random.get_rng_state()
     scope = StatelessScope(collect_losses=True)
-    scope.state_mapping = (_GatheredWhereRead(mapping, split, True) if split
-                           else dict(mapping))
+    scope.state_mapping = (
+        gathered_weights.GatheredWhereRead(mapping, split, True) if split
+        else dict(mapping))
     with scope:
         outputs = original(model, *local_args, **local_kwargs)
     if (scope.losses or len(scope.state_mapping) != len(mapping)

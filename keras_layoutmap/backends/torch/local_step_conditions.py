@@ -29,9 +29,10 @@ all of this holds, else it runs on DTensors as before
 import math
 import weakref
 
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch.gathered_weights import is_replicated
 from keras_layoutmap.backends.torch.keras_internals import (
     OUTER_OPTIMIZERS,
     TorchOptimizer,
@@ -87,8 +88,7 @@ def _metrics_are_row_sums(model):
 
 
 def _is_replicated_on(value, mesh):
-    return (isinstance(value, DTensor) and value.device_mesh == mesh
-            and all(isinstance(p, Replicate) for p in value.placements))
+    return is_replicated(value) and value.device_mesh == mesh
 
 
 def smallest_piece(rows, placements, mesh):

@@ -23,9 +23,10 @@ Anything else updates on DTensors (`gradients.wrap_apply`).
 """
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch.gathered_weights import is_replicated
 from keras_layoutmap.keras_internals import StatelessScope, in_stateless_scope
 from keras_layoutmap.paths import reference_of
 
@@ -35,10 +36,6 @@ from keras_layoutmap.paths import reference_of
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop",
                "Adagrad", "Adadelta", "Ftrl", "Lion")
 APPLYING = [False]  # set while `apply_locally` runs
-
-
-def _replicated(value):
-    return all(isinstance(p, Replicate) for p in value.placements)
 
 
 def elementwise(optimizer):
@@ -59,7 +56,7 @@ def _laid_out_alike(optimizer, variables):
         value = slot._value
         weight = reference_of(slot)
         if weight is None:
-            if not _replicated(value):
+            if not is_replicated(value):
                 return False
             continue
         if (id(weight) not in updated
@@ -82,7 +79,7 @@ def local_update_mesh(optimizer, variables):
     mesh = values[0].device_mesh
     if not all(x.device_mesh == mesh for x in values):
         return None
-    if all(_replicated(x) for x in values):
+    if all(is_replicated(x) for x in values):
         return mesh
     if elementwise(optimizer) and _laid_out_alike(optimizer, variables):
         return mesh
