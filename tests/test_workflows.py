@@ -135,18 +135,23 @@ def mlp(name="mlp", optimizer=None):
     return model
 
 
+def on_batch_steps(model, x, y):
+    """A step of each `*_on_batch` method, every process passing the same
+    batch (as to `fit`); 40 rows to predict, which the batch axis divides."""
+    return {"train_on_batch": model.train_on_batch(x[:64], y[:64]),
+            "test_on_batch": model.test_on_batch(x[:64], y[:64]),
+            "predict_on_batch": model.predict_on_batch(x[:40])}
+
+
 def train_evaluate_predict(model):
-    """`fit`, `evaluate`, `predict`, then a step of each `*_on_batch`
-    method (every process passes the same batch, as to `fit`)."""
+    """`fit`, `evaluate`, `predict`, then `on_batch_steps`."""
     x, y = digits_data(DIGITS_ROWS)
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
                         verbose=0).history
     return {"loss": history["loss"], "accuracy": history["accuracy"],
             "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
             "predict": model.predict(x[:37], batch_size=16, verbose=0),
-            "train_on_batch": model.train_on_batch(x[:64], y[:64]),
-            "test_on_batch": model.test_on_batch(x[:64], y[:64]),
-            "predict_on_batch": model.predict_on_batch(x[:40]),
+            **on_batch_steps(model, x, y),
             **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
 
 
@@ -222,10 +227,8 @@ def klm_strict_two_models(distributed, folder):
     for model in models:
         out[model.name] = model.fit(x, y, batch_size=64, epochs=1, verbose=0,
                                     shuffle=False).history["loss"]
-        # a step of each `*_on_batch` method, the same batch on every process
-        out[f"{model.name} on batch"] = [model.train_on_batch(x[:64], y[:64]),
-                                         model.test_on_batch(x[:64], y[:64])]
-        out[f"{model.name} predict_on_batch"] = model.predict_on_batch(x[:40])
+        out.update({f"{model.name} {key}": value for key, value
+                    in on_batch_steps(model, x, y).items()})
         for i, w in enumerate(numpy_weights(model)):
             out[f"{model.name}{i}"] = w
     return out
