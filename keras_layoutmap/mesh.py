@@ -17,7 +17,10 @@ def configure_virtual_devices(n):
     Call it first, before anything touches a device. On JAX and TensorFlow the
     devices live in this process; on PyTorch a mesh spans processes, so this
     checks that the script was started with
-    `python -m keras_layoutmap.launch -n N` and a world size of `n`.
+    `python -m keras_layoutmap.launch -n N` and a world size of `n`, and
+    joins them over gloo. The devices are CPUs on every backend, also where
+    GPUs are seen (the demo path: on GPUs, leave it out, and on several
+    processes call `klm.initialize()`).
 
     Example:
 

@@ -38,10 +38,9 @@ def pytest_configure(config):
 
     # The first call after import, as a user script does (the run's device
     # count, and why: helpers.py).
-    if BACKEND == "torch":
-        if DEVICES > 1:
-            klm.configure_virtual_devices(DEVICES)
-    elif SHARDING:
+    # On every backend the devices are CPUs, also on a machine with GPUs
+    # (torch: one process, or each of the launcher's, on its CPU).
+    if BACKEND == "torch" or SHARDING:
         klm.configure_virtual_devices(DEVICES)
 
     # KLM_TEST_FAST_GRAPHS=1 (nox's TensorFlow pytest runs, one process and

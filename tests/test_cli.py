@@ -197,7 +197,8 @@ def test_weights_are_not_allocated(workdir):
     (workdir / "r.toml").write_text('rules = [["embed.*", ["model", "unsharded"]]]\n')
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True,
-        cwd=workdir, env={**os.environ, "PYTHONPATH": f"{ROOT}:{workdir}"},
+        cwd=workdir, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(
+            None, [str(ROOT), str(workdir), os.environ.get("PYTHONPATH")]))},
         timeout=300)
     assert result.returncode == 0, result.stderr
     out, maxrss = result.stdout.rsplit("MAXRSS_KB", 1)

@@ -20,13 +20,20 @@ def test_torch_choice_gpu_per_process_nccl_else_cpu_gloo():
     assert devices.choose(4, 3) == ("cuda", "nccl", "cuda:3")
     with pytest.raises(RuntimeError, match=r"local rank 4.*4 GPU\(s\)"):
         devices.choose(4, 4)
+    # klm.configure_virtual_devices asked for CPUs: whatever torch sees
+    assert devices.choose(4, 3, virtual_cpus=True) == ("cpu", "gloo", "cpu")
+    assert devices.choose(1, 3, virtual_cpus=True) == ("cpu", "gloo", "cpu")
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's device choice")
 def test_torch_list_devices_and_meshes_take_gpus_when_seen(monkeypatch):
     from keras_layoutmap.backends.torch import devices
 
-    assert klm.list_devices() == ["cpu:0"]  # this machine: no GPU
+    # As in a script that leaves out configure_virtual_devices (the test
+    # run calls it: its devices are CPUs, tests/conftest.py).
+    monkeypatch.setattr(devices, "VIRTUAL_CPUS", [False])
+    monkeypatch.setattr(devices, "cuda_count", lambda: 0)
+    assert klm.list_devices() == ["cpu:0"]
     monkeypatch.setattr(devices, "cuda_count", lambda: 2)
     assert klm.list_devices() == ["cuda:0"]
     from keras_layoutmap.backends.torch import keras_distribution
@@ -57,6 +64,7 @@ def test_torch_join_takes_local_gpu_and_nccl(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(devices, "cuda_count", lambda: 2)
+    monkeypatch.setattr(devices, "VIRTUAL_CPUS", [False])  # as klm.initialize
     monkeypatch.setattr(devices, "LOCAL_RANK", [None])
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "set_device", taken.append)
@@ -81,6 +89,19 @@ def test_torch_join_takes_local_gpu_and_nccl(monkeypatch):
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     join(Cluster("127.0.0.1:1234", 2, 1))
     assert taken == [] and joined == [("gloo", 1, 2)]
+
+    # CPU devices asked for (configure_virtual_devices, the launcher's
+    # --devices-per-process): the CPU over gloo where GPUs are seen, and
+    # Keras makes its tensors there (it picked "cuda" at import).
+    from keras_layoutmap.backends.torch import keras_internals as keras_torch
+
+    taken.clear(), joined.clear()
+    monkeypatch.setattr(devices, "cuda_count", lambda: 2)
+    monkeypatch.setattr(keras_torch.core, "DEFAULT_DEVICE", "cuda")
+    with pytest.raises(JoinError):
+        processes.join(Cluster("127.0.0.1:1234", 2, 1), total_devices=2)
+    assert taken == [] and joined == [("gloo", 1, 2)]
+    assert devices.kind() == "cpu" and keras_torch.get_device() == "cpu"
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's device choice")

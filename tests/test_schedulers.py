@@ -254,8 +254,10 @@ def run_job(tasks, out, *args, timeout=240):
     fails ends the others (as `srun --kill-on-bad-exit` does). Returns the
     exit statuses and each process's output."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    # CPUs wherever the tests run: `klm.initialize()` takes a GPU per
+    # process where torch sees GPUs, as a real job's processes do.
     base.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
-                KLM_JOIN_TIMEOUT="60")
+                KLM_JOIN_TIMEOUT="60", CUDA_VISIBLE_DEVICES="")
     logs = [open(out / f"log{i}", "w+") for i in range(len(tasks))]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), *map(str, args)],
                               env={**base, **env}, stdout=log,

@@ -1,5 +1,7 @@
 """Which device a torch process takes: its own GPU (`cuda:LOCAL_RANK`,
-collectives over NCCL) where torch sees GPUs, else the CPU (gloo).
+collectives over NCCL) where torch sees GPUs, else the CPU (gloo); the
+CPU always once `klm.configure_virtual_devices` asked for CPU devices (as
+on JAX and TensorFlow, whose virtual devices are CPUs).
 
 `choose` is the whole decision, pure, given what the device query
 returns; `current` asks torch.
@@ -9,18 +11,25 @@ import os
 
 import torch
 
+from keras_layoutmap.backends.torch import keras_internals as keras_torch
 
-def choose(cuda_count, local_rank=0):
+# Set by `configure_virtual_devices`: every process takes the CPU.
+VIRTUAL_CPUS = [False]
+
+
+def choose(cuda_count, local_rank=0, virtual_cpus=False):
     """(device kind, process-group backend, this process's device) for a
     process with local rank `local_rank` on a host where torch sees
-    `cuda_count` GPUs.
+    `cuda_count` GPUs, `virtual_cpus` when CPU devices were asked for.
 
     >>> choose(0, 3)
     ('cpu', 'gloo', 'cpu')
     >>> choose(8, 3)
     ('cuda', 'nccl', 'cuda:3')
+    >>> choose(8, 3, virtual_cpus=True)
+    ('cpu', 'gloo', 'cpu')
     """
-    if cuda_count <= 0:
+    if cuda_count <= 0 or virtual_cpus:
         return "cpu", "gloo", "cpu"
     if not 0 <= local_rank < cuda_count:
         raise RuntimeError(
@@ -49,10 +58,19 @@ def local_rank():
 
 def current():
     """`choose` for this process."""
-    return choose(cuda_count(), local_rank())
+    return choose(cuda_count(), local_rank(), VIRTUAL_CPUS[0])
 
 
 def kind():
     """`"cuda"` or `"cpu"`: the kind of device every process of a mesh
     takes (the processes of one run see alike hosts)."""
-    return choose(cuda_count(), 0)[0]
+    return choose(cuda_count(), 0, VIRTUAL_CPUS[0])[0]
+
+
+def use_cpus():
+    """CPU devices from now on, whatever GPUs torch sees: the mesh's (gloo
+    between processes) and Keras' own, where it makes tensors (Keras picks
+    `"cuda"` at import where torch sees a GPU: its tensors would not be on
+    the mesh's devices)."""
+    VIRTUAL_CPUS[0] = True
+    keras_torch.core.DEFAULT_DEVICE = "cpu"

@@ -1,8 +1,9 @@
 """torch across processes: a process group, one device per process.
 
 A torch mesh spans processes, one device each: `"cuda:<rank>"` over NCCL
-where torch sees GPUs (each process takes `cuda:LOCAL_RANK`), else
-`"cpu:<rank>"` over gloo (`devices.choose`):
+where torch sees GPUs (each process takes `cuda:LOCAL_RANK`), else, or
+after `klm.configure_virtual_devices`, `"cpu:<rank>"` over gloo
+(`devices.choose`):
 `python -m keras_layoutmap.launch -n 4 script.py` (or `torchrun
 --nproc-per-node 4 script.py`) starts them, and `klm.configure_virtual_devices(4)`
 (or `klm.initialize()`) joins them into the default process group. Outside a
@@ -75,16 +76,21 @@ def _how_to_launch(n):
 
 def join(cluster, total_devices=None, timeout=None):
     """Join `cluster`'s process group (once): NCCL with this process on
-    `cuda:<local rank>` where torch sees GPUs, else gloo. On torch every
-    process holds one device, so `total_devices` must equal the number of
-    processes. The join ends within `timeout` seconds (`join_deadline`);
-    collectives after it within `KLM_COLLECTIVE_TIMEOUT`."""
+    `cuda:<local rank>` where torch sees GPUs, else gloo. With
+    `total_devices` (CPU devices asked for: `configure_virtual_devices`, the
+    launcher's `--devices-per-process`) every process takes its CPU, over
+    gloo, as JAX's join makes CPU devices then; on torch every process
+    holds one device, so it must equal the number of processes. The join
+    ends within `timeout` seconds (`join_deadline`); collectives after it
+    within `KLM_COLLECTIVE_TIMEOUT`."""
     if total_devices is not None and total_devices != cluster.num_processes:
         raise RuntimeError(
             f"On the torch backend a mesh of {total_devices} devices spans "
             f"{total_devices} processes (one device each), but this run has "
             f"{cluster.num_processes}. {_how_to_launch(total_devices)}"
         )
+    if total_devices is not None and not is_joined():
+        devices.use_cpus()
     if is_joined():
         if dist.get_world_size() != cluster.num_processes:
             raise RuntimeError(
@@ -121,10 +127,12 @@ def join(cluster, total_devices=None, timeout=None):
 
 
 def configure_virtual_devices(n):
-    """`n` devices in all: one per process of a launched world of `n`."""
+    """`n` CPU devices in all, one per process of a launched world of `n`
+    (gloo), also where torch sees GPUs."""
     world = launched_world_size()
     if world != n:
         if world == 1 and n == 1:
+            devices.use_cpus()
             return
         raise RuntimeError(
             f"On the torch backend a mesh of {n} devices spans {n} processes "
@@ -132,6 +140,7 @@ def configure_virtual_devices(n):
             f"{world}. {_how_to_launch(n)}"
         )
     if n == 1:
+        devices.use_cpus()
         return
     join(cluster_from_environment(), total_devices=n)
 
