@@ -14,6 +14,7 @@ is imported, not an `AttributeError` deep inside a training step.
 `SUPPORTED_KERAS` is refused before any private name is looked up.
 """
 
+import contextlib
 import importlib
 import re
 
@@ -187,6 +188,27 @@ orbax_lazy_module = private("keras.src.utils.module_utils:ocp")
 saving_lib = private("keras.src.saving.saving_lib")
 # `load_weights` / `load_model`'s module: its `is_orbax_checkpoint`, by name.
 saving_api = private("keras.src.saving.saving_api")
+# Where `Layer.__call__` checks its input against the layer's `input_spec`
+# (by name, through the module): `input_specs_unchecked` sets it aside.
+input_spec_module = private("keras.src.layers.input_spec")
+private("keras.src.layers.input_spec:assert_input_compatibility")
+
+
+@contextlib.contextmanager
+def input_specs_unchecked():
+    """Layers' `input_spec` checks set aside in this block: a call on
+    tensor-parallel pieces passes each layer its piece (a row-parallel
+    `Dense` gets 1/n of the features its spec names)."""
+    saved = input_spec_module.assert_input_compatibility
+    input_spec_module.assert_input_compatibility = _accept_any_input
+    try:
+        yield
+    finally:
+        input_spec_module.assert_input_compatibility = saved
+
+
+def _accept_any_input(*args, **kwargs):
+    return None
 
 
 def compiled_metric_objects(model):

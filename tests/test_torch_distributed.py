@@ -150,8 +150,9 @@ class TorchTrainStep(keras.Model):
 def test_fit_with_a_torch_train_step_matches_one_process(digits, distribution,
                                                         dropout):
     """A model whose own `train_step` runs the backward pass and the
-    optimizer, trained by `fit`: on the local fast path (data parallel, no
-    dropout) and on DTensors."""
+    optimizer, trained by `fit`: on the local fast path (no dropout: data
+    parallel on each process's rows, model parallel on its pieces too) and
+    on DTensors."""
     x, y = digits
 
     def fit(model):
@@ -171,8 +172,7 @@ def test_fit_with_a_torch_train_step_matches_one_process(digits, distribution,
     assert_same(model, reference)
     from keras_layoutmap.backends.torch.local_pieces import local_plans
 
-    local = distribution == "data_parallel" and not dropout
-    assert any(local_plans(model).values()) == local
+    assert any(local_plans(model).values()) == (not dropout)
 
 
 def test_state_dict_holds_dtensor_parameters_with_their_layout():

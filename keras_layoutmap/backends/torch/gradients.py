@@ -23,9 +23,13 @@ def _sum_in_one(grads):
     placements and dtype) summed over the processes with one all-reduce
     per mesh axis for all of them."""
     first = grads[0]
-    groups = [first.device_mesh.get_group(mesh_dim)
+    mesh = first.device_mesh
+    # (a sum over a mesh dim of one process is its piece: no all-reduce)
+    groups = [mesh.get_group(mesh_dim)
               for mesh_dim, place in enumerate(first.placements)
-              if isinstance(place, Partial)]
+              if isinstance(place, Partial) and mesh.size(mesh_dim) > 1]
+    if not groups:
+        return [g._local_tensor for g in grads]
     return local_step.sum_over([g._local_tensor for g in grads], groups)
 
 

@@ -18,9 +18,10 @@ decides it op by op, in Python, at many times the cost of a small op. So:
   each one's piece (the gather's backward: one reduce-scatter each), as
   FSDP's do. A call with gradients gathers them as it starts (its
   backward keeps them anyway); one without gathers each where it is read
-  and keeps none (`gathered_weights`). A weight split over a dim whose
-  processes hold the same rows (tensor parallelism) keeps the call on
-  DTensors.
+  and keeps none (`gathered_weights`).
+- **weights split over a dim whose processes hold the same rows** (tensor
+  parallelism's) are read as this process's piece, with Megatron's
+  all-reduces around the products on them (`tensor_parallel`).
 - **an optimizer update** runs on each process's pieces where that is the
   same arithmetic (`local_updates`).
 
@@ -36,11 +37,13 @@ the trial must need no redistribution and no communication, draw no
 random numbers, assign no variable, add no loss, and return outputs split
 by rows as its inputs. Batch normalization (batch statistics), dropout
 (one device's random mask), a layer that indexes the batch or reduces over
-it, a plain tensor among the inputs, a weight split over the model axis:
+it, a plain tensor among the inputs, a weight split over two mesh dims:
 each keeps the DTensor path. The first local call must then give
 this process's pieces of the trial's outputs exactly, on every process
 (which catches a layer that reads the batch size as a number, or a variable
-the model does not own). A local call that assigns, draws or adds a loss
+the model does not own); with tensor-parallel pieces, the outputs of a
+second trial, on DTensors as they are (an op that reads across a piece
+gives other numbers). A local call that assigns, draws or adds a loss
 anyway (the data took it elsewhere) is dropped, the random generator
 restored, and the call made on DTensors.
 
@@ -56,8 +59,8 @@ from keras import tree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from keras_layoutmap.backends.torch import gathered_weights
-from keras_layoutmap.backends.torch.placement import contiguous_stride
+from keras_layoutmap.backends.torch import gathered_weights, tensor_parallel
+from keras_layoutmap.backends.torch.placement import contiguous_stride, sums_taken
 from keras_layoutmap.keras_internals import (
     StatelessScope,
     get_keras_mask,
@@ -78,9 +81,9 @@ class _Plan:
     """How a model call with one input signature runs locally."""
 
     __slots__ = ("mesh", "placements", "grad_placements", "rows",
-                 "variables", "values", "gathered", "trial", "masked")
+                 "variables", "values", "gathered", "split", "trial", "masked")
 
-    def __init__(self, mesh, placements, rows, variables, gathered):
+    def __init__(self, mesh, placements, rows, variables, gathered, split):
         self.mesh = mesh
         self.placements = placements
         # The gradient of a replicated weight from a process's rows: a
@@ -94,6 +97,10 @@ class _Plan:
         # Per variable: True where it is split (over mesh dims that split
         # the rows) and gathered whole for the call.
         self.gathered = tuple(gathered)
+        # Per variable: (mesh dim, tensor dim) where it is split over a mesh
+        # dim whose processes hold the same rows (tensor parallelism): the
+        # call reads its piece (`tensor_parallel`); else None.
+        self.split = tuple(split)
         # The trial's outputs (this process's pieces), which the first
         # local call must equal; None once it did.
         self.trial = None
@@ -156,15 +163,25 @@ def _local_plan(model, original, args, kwargs):
         return None
     variables = [v for v in model.variables
                  if isinstance(getattr(v, "_value", None), torch.Tensor)]
-    gathered = [gathered_weights.gathered(v._value, first.device_mesh, places)
+    mesh, rows = first.device_mesh, first.shape[0]
+    gathered = [gathered_weights.gathered(v._value, mesh, places)
                 for v in variables]
-    if None in gathered:
+    split = [tensor_parallel.split_dim(v._value, mesh, places) if g is None
+             else None for v, g in zip(variables, gathered)]
+    if any(g is None and s is None for g, s in zip(gathered, split)):
         return None
-    whole = {id(v): v for v, g in zip(variables, gathered) if g}
-    trial = _trial(model, original, args, kwargs, places, first.shape[0], whole)
+    # Whether the call is one per row: every split weight gathered whole.
+    whole = {id(v): v for v, g, s in zip(variables, gathered, split) if g or s}
+    trial = _trial(model, original, args, kwargs, places, rows, whole)
+    if trial is not None and any(split):
+        # The numbers the first local call must give: DTensor's own
+        # tensor parallelism (FSDP's weights gathered where read).
+        trial = _trial(model, original, args, kwargs, places, rows,
+                       {id(v): v for v, g in zip(variables, gathered) if g},
+                       strict=False)
     if trial is None:
         return None
-    plan = _Plan(first.device_mesh, places, first.shape[0], variables, gathered)
+    plan = _Plan(mesh, places, rows, variables, gathered, split)
     plan.trial, plan.masked = trial
     return plan
 
@@ -185,13 +202,16 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _trial(model, original, args, kwargs, places, rows, gathered):
+def _trial(model, original, args, kwargs, places, rows, gathered, strict=True):
     """Call the model on DTensors with nothing kept (no gradients, no
     assignments, the random generator restored), each weight of
     `gathered` ({id: variable}) gathered whole where it is read (the
     gathers set aside from the checks). When nothing in the call looked
     across rows or changed state: this process's pieces of its outputs
-    (and their masks), and whether there were masks; else None."""
+    (and their masks), and whether there were masks; else None. Not
+    `strict`: DTensor may redistribute and communicate (tensor
+    parallelism's sums: an earlier strict trial showed the call is one
+    per row)."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
     except ImportError:  # another torch: no check, so no fast path
@@ -211,10 +231,10 @@ def _trial(model, original, args, kwargs, places, rows, gathered):
 
     scope.state_mapping = gathered_weights.GatheredWhereRead(
         {}, {key: v._value for key, v in gathered.items()}, False, aside)
+    checks = (ExplicitRedistributionContext(strict=True, mode="raise")
+              if strict else contextlib.nullcontext())
     try:
-        with (torch.no_grad(), scope,
-              ExplicitRedistributionContext(strict=True, mode="raise"),
-              collectives):
+        with torch.no_grad(), scope, checks, collectives:
             outputs = original(model, *args, **kwargs)
     except Exception:  # noqa: BLE001 - the DTensor call will say what it is
         return None
@@ -222,15 +242,29 @@ def _trial(model, original, args, kwargs, places, rows, gathered):
         drew = not torch.equal(generator, torch.random.get_rng_state())
         torch.random.set_rng_state(generator)
     assigned = len(scope.state_mapping) > 0
-    if drew or scope.losses or assigned or collectives.seen:
+    if drew or scope.losses or assigned or (strict and collectives.seen):
         return None
     leaves = _with_masks(outputs)
+    if not strict:  # a row-parallel last layer leaves its sums pending
+        leaves = [sums_taken(x) if isinstance(x, DTensor) else x
+                  for x in leaves]
     if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
                       and x.ndim > 0 and x.shape[0] == rows for x in leaves):
         masked = len(leaves) != len([x for x in tree.flatten(outputs)
                                      if x is not None])
         return [x.to_local() for x in leaves], masked
     return None
+
+
+def _same(a, b, rounding):
+    """`a` equals `b`, to float rounding (a few units of the dtype's last
+    place, against the largest number) where `rounding`: a sum missing
+    from a piece is off by a whole term."""
+    if not rounding or not a.dtype.is_floating_point or b.numel() == 0:
+        return torch.equal(a, b)
+    scale = b.abs().max().item()
+    tolerance = 16 * torch.finfo(b.dtype).eps * max(scale, 1e-30)
+    return a.dtype == b.dtype and bool((a - b).abs().max() <= tolerance)
 
 
 def _on_every_process(ok, device_mesh):
@@ -306,25 +340,42 @@ def run_model_call(model, original, args, kwargs):
     if plan is None:
         return NOT_LOCAL
     grad = torch.is_grad_enabled()
-    mapping, split = {}, {}
-    for variable, value, gathered in zip(plan.variables, plan.values,
-                                         plan.gathered):
+    mapping, split, pieces = {}, {}, {}
+    for variable, value, gathered, dims in zip(plan.variables, plan.values,
+                                               plan.gathered, plan.split):
         if gathered and not grad:
             split[id(variable)] = value  # gathered where read
             continue
         if gathered:
             value = gathered_weights.whole(value, plan.mesh)
-        mapping[id(variable)] = (
-            value.to_local(grad_placements=plan.grad_placements)
+        grad_placements = (plan.grad_placements if dims is None else
+                           tensor_parallel.grad_placements(value, plan.placements))
+        local = mapping[id(variable)] = (
+            value.to_local(grad_placements=grad_placements)
             if grad and value.requires_grad else value._local_tensor)
+        if dims is not None and plan.mesh.size(dims[0]) > 1:
+            pieces[id(local)] = (local, dims[1], plan.mesh.get_group(dims[0]))
     local_args, local_kwargs = tree.map_structure(_to_local, (args, kwargs))
     generator = torch.random.get_rng_state()
     scope = StatelessScope(collect_losses=True)
     scope.state_mapping = (
         gathered_weights.GatheredWhereRead(mapping, split, True) if split
         else dict(mapping))
-    with scope:
-        outputs = original(model, *local_args, **local_kwargs)
+    try:
+        with scope, (tensor_parallel.on_pieces(pieces) if pieces
+                     else contextlib.nullcontext()):
+            outputs = original(model, *local_args, **local_kwargs)
+    except Exception as error:  # noqa: BLE001 - raised again but for these
+        # A product on a weight's piece that `tensor_parallel` cannot place,
+        # or, in a plan's first call, an op a piece does not fit (a norm's
+        # split scale against whole features): on DTensors. Every process
+        # alike: the same layers on the same shapes.
+        if not (isinstance(error, tensor_parallel.NotLocal)
+                or (pieces and plan.trial is not None)):
+            raise
+        torch.random.set_rng_state(generator)
+        _PLANS[model][key] = None
+        return NOT_LOCAL
     if (scope.losses or len(scope.state_mapping) != len(mapping)
             or any(scope.state_mapping[k] is not t for k, t in mapping.items())
             or not torch.equal(generator, torch.random.get_rng_state())):
@@ -333,13 +384,14 @@ def run_model_call(model, original, args, kwargs):
         _PLANS[model][key] = None
         return NOT_LOCAL
     if plan.trial is not None:
-        # The first local call must give the trial's numbers exactly (a
-        # layer that reads the batch size as a number would not), on every
-        # process: they must all take the same path.
+        # The first local call must give the trial's numbers (a layer that
+        # reads the batch size as a number would not), on every process:
+        # they must all take the same path. Exactly, but where pieces sum
+        # in another order than DTensor's (tensor parallelism).
         found = _with_masks(outputs)
         same = len(found) == len(plan.trial) and all(
             isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-            and a.shape == b.shape and torch.equal(a.detach(), b)
+            and a.shape == b.shape and _same(a.detach(), b, bool(pieces))
             for a, b in zip(found, plan.trial))
         if not _on_every_process(same, plan.mesh):
             _PLANS[model][key] = None

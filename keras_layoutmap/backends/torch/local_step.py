@@ -137,10 +137,11 @@ def prepare(model, batch, training=True):
     if key is None:
         return None
     plan = local_pieces.plan_of(model, key)
-    # (A plan that gathers split weights: the step maps every variable to
-    # its local piece, which is not the whole weight.)
+    # (A plan that gathers split weights, or reads their pieces: the step
+    # maps every variable to its local piece, which is not the whole
+    # weight, and knows no f or g.)
     if (plan is None or plan.trial is not None or plan.masked
-            or any(plan.gathered)):
+            or any(plan.gathered) or any(plan.split)):
         return None
     for leaf in _leaves((y, sample_weight)):
         if leaf is None:
@@ -155,7 +156,7 @@ def prepare(model, batch, training=True):
     if metric_variables is None:
         return None
     groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
-              if isinstance(p, Shard)]
+              if isinstance(p, Shard) and plan.mesh.size(dim) > 1]
     local_rows = next(leaf for leaf in _leaves(x)
                       if isinstance(leaf, Piece)).local.shape[0]
     steps = _STEPS.setdefault(model, {})
