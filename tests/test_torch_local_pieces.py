@@ -210,6 +210,12 @@ def test_calls_the_fast_path_cannot_take_stay_on_dtensors(digits, case):
                         atol=atol)
 
 
+def local_trials():
+    from keras_layoutmap.backends.torch import local_trials
+
+    return local_trials
+
+
 def local_updates():
     from keras_layoutmap.backends.torch import local_updates
 
@@ -347,7 +353,7 @@ def test_fsdp_calls_gather_each_split_weight_and_match_one_process(digits, name)
     # One step's DTensor collectives: an all-gather and a reduce-scatter
     # per split weight (the loss and metrics add all-reduces of their own).
     x, y = digits
-    counted = local_pieces()._Collectives()
+    counted = local_trials().Collectives()
     with counted:
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
     reference.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
@@ -359,7 +365,7 @@ def test_fsdp_calls_gather_each_split_weight_and_match_one_process(digits, name)
     # predict returns whole), no reduce-scatter. (A signature's first call
     # gathers for its trial too.)
     model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
-    counted = local_pieces()._Collectives()
+    counted = local_trials().Collectives()
     with counted:
         predicted = model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
     names = [str(f) for f in counted.seen]

@@ -57,10 +57,13 @@ import weakref
 import torch
 from keras import tree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from keras_layoutmap.backends.torch import gathered_weights, tensor_parallel
-from keras_layoutmap.backends.torch.placement import contiguous_stride, sums_taken
+from keras_layoutmap.backends.torch import (
+    gathered_weights,
+    local_trials,
+    tensor_parallel,
+)
+from keras_layoutmap.backends.torch.placement import contiguous_stride
 from keras_layoutmap.keras_internals import (
     StatelessScope,
     get_keras_mask,
@@ -172,11 +175,11 @@ def _local_plan(model, original, args, kwargs):
         return None
     # Whether the call is one per row: every split weight gathered whole.
     whole = {id(v): v for v, g, s in zip(variables, gathered, split) if g or s}
-    trial = _trial(model, original, args, kwargs, places, rows, whole)
+    trial = local_trials.trial(model, original, args, kwargs, places, rows, whole)
     if trial is not None and any(split):
         # The numbers the first local call must give: DTensor's own
         # tensor parallelism (FSDP's weights gathered where read).
-        trial = _trial(model, original, args, kwargs, places, rows,
+        trial = local_trials.trial(model, original, args, kwargs, places, rows,
                        {id(v): v for v, g in zip(variables, gathered) if g},
                        strict=False)
     if trial is None:
@@ -184,106 +187,6 @@ def _local_plan(model, original, args, kwargs):
     plan = _Plan(mesh, places, rows, variables, gathered, split)
     plan.trial, plan.masked = trial
     return plan
-
-
-class _Collectives(TorchDispatchMode):
-    """Notes every collective the ops under it take (DTensor's own and
-    explicit ones)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (func.namespace in ("c10d", "_c10d_functional", "c10d_functional")
-                and not self.paused):
-            self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-def _trial(model, original, args, kwargs, places, rows, gathered, strict=True):
-    """Call the model on DTensors with nothing kept (no gradients, no
-    assignments, the random generator restored), each weight of
-    `gathered` ({id: variable}) gathered whole where it is read (the
-    gathers set aside from the checks). When nothing in the call looked
-    across rows or changed state: this process's pieces of its outputs
-    (and their masks), and whether there were masks; else None. Not
-    `strict`: DTensor may redistribute and communicate (tensor
-    parallelism's sums: an earlier strict trial showed the call is one
-    per row)."""
-    try:
-        from torch.distributed.tensor._utils import ExplicitRedistributionContext
-    except ImportError:  # another torch: no check, so no fast path
-        return None
-    generator = torch.random.get_rng_state()
-    scope = StatelessScope(collect_losses=True)
-    collectives = _Collectives()
-
-    @contextlib.contextmanager
-    def aside():  # a gather is the plan's, not the call's
-        collectives.paused = True
-        try:
-            with ExplicitRedistributionContext(enable=False):
-                yield
-        finally:
-            collectives.paused = False
-
-    scope.state_mapping = gathered_weights.GatheredWhereRead(
-        {}, {key: v._value for key, v in gathered.items()}, False, aside)
-    checks = (ExplicitRedistributionContext(strict=True, mode="raise")
-              if strict else contextlib.nullcontext())
-    try:
-        with torch.no_grad(), scope, checks, collectives:
-            outputs = original(model, *args, **kwargs)
-    except Exception:  # noqa: BLE001 - the DTensor call will say what it is
-        return None
-    finally:
-        drew = not torch.equal(generator, torch.random.get_rng_state())
-        torch.random.set_rng_state(generator)
-    assigned = len(scope.state_mapping) > 0
-    if drew or scope.losses or assigned or (strict and collectives.seen):
-        return None
-    leaves = _with_masks(outputs)
-    if not strict:  # a row-parallel last layer leaves its sums pending
-        leaves = [sums_taken(x) if isinstance(x, DTensor) else x
-                  for x in leaves]
-    if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
-                      and x.ndim > 0 and x.shape[0] == rows for x in leaves):
-        masked = len(leaves) != len([x for x in tree.flatten(outputs)
-                                     if x is not None])
-        return [x.to_local() for x in leaves], masked
-    return None
-
-
-def _same(a, b, rounding):
-    """`a` equals `b`, to float rounding (a few units of the dtype's last
-    place, against the largest number) where `rounding`: a sum missing
-    from a piece is off by a whole term."""
-    if not rounding or not a.dtype.is_floating_point or b.numel() == 0:
-        return torch.equal(a, b)
-    scale = b.abs().max().item()
-    tolerance = 16 * torch.finfo(b.dtype).eps * max(scale, 1e-30)
-    return a.dtype == b.dtype and bool((a - b).abs().max() <= tolerance)
-
-
-def _on_every_process(ok, device_mesh):
-    """True where `ok` holds on every process of the mesh."""
-    flag = torch.tensor([1 if ok else 0], device=device_mesh.device_type)
-    for dim in range(device_mesh.ndim):
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
-                                     group=device_mesh.get_group(dim))
-    return bool(flag.item())
-
-
-def _with_masks(outputs):
-    """The tensors of `outputs`, each followed by its Keras mask if any."""
-    found = []
-    for x in tree.flatten(outputs):
-        if x is not None:
-            mask = get_keras_mask(x)
-            found += [x] if mask is None else [x, mask]
-    return found
 
 
 def _plan_for(model, original, args, kwargs):
@@ -388,12 +291,12 @@ def run_model_call(model, original, args, kwargs):
         # reads the batch size as a number would not), on every process:
         # they must all take the same path. Exactly, but where pieces sum
         # in another order than DTensor's (tensor parallelism).
-        found = _with_masks(outputs)
+        found = local_trials.with_masks(outputs)
         same = len(found) == len(plan.trial) and all(
             isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-            and a.shape == b.shape and _same(a.detach(), b, bool(pieces))
+            and a.shape == b.shape and local_trials.same(a.detach(), b, bool(pieces))
             for a, b in zip(found, plan.trial))
-        if not _on_every_process(same, plan.mesh):
+        if not local_trials.on_every_process(same, plan.mesh):
             _PLANS[model][key] = None
             return NOT_LOCAL
         plan.trial = None
