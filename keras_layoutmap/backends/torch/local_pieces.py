@@ -31,8 +31,9 @@ tensors; it relies on this module's decision for the model call.
 
 A call is local only where that gives DTensor's numbers. This is checked
 once per model and input signature (shapes, dtypes, placements, flags) by a
-trial call on DTensors (the split weights gathered whole), with no
-gradients and no state kept, under DTensor's strict redistribution check:
+trial call on DTensors (`local_trials`; the split weights gathered whole),
+with no gradients and no state kept, under DTensor's strict redistribution
+check:
 the trial must need no redistribution and no communication, draw no
 random numbers, assign no variable, add no loss, and return outputs split
 by rows as its inputs. Batch normalization (batch statistics), dropout
@@ -42,10 +43,11 @@ each keeps the DTensor path. The first local call must then give
 this process's pieces of the trial's outputs exactly, on every process
 (which catches a layer that reads the batch size as a number, or a variable
 the model does not own); with tensor-parallel pieces, the outputs of a
-second trial, on DTensors as they are (an op that reads across a piece
-gives other numbers). A local call that assigns, draws or adds a loss
-anyway (the data took it elsewhere) is dropped, the random generator
-restored, and the call made on DTensors.
+second trial, on DTensors as they are, to float rounding (the pieces sum
+in another order; an op that reads across a piece gives other numbers).
+A local call that assigns, draws or adds a loss anyway (the data took it
+elsewhere) is dropped, the random generator restored, and the call made
+on DTensors.
 
 `KLM_TORCH_LOCAL_PIECES=0` turns the fast path off (every call on DTensors).
 """
