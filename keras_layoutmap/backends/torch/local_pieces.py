@@ -181,9 +181,9 @@ def _local_plan(model, original, args, kwargs):
     if trial is not None and any(split):
         # The numbers the first local call must give: DTensor's own
         # tensor parallelism (FSDP's weights gathered where read).
-        trial = local_trials.trial(model, original, args, kwargs, places, rows,
-                       {id(v): v for v, g in zip(variables, gathered) if g},
-                       strict=False)
+        trial = local_trials.trial(
+            model, original, args, kwargs, places, rows,
+            {id(v): v for v, g in zip(variables, gathered) if g}, strict=False)
     if trial is None:
         return None
     plan = _Plan(mesh, places, rows, variables, gathered, split)
@@ -296,7 +296,8 @@ def run_model_call(model, original, args, kwargs):
         found = local_trials.with_masks(outputs)
         same = len(found) == len(plan.trial) and all(
             isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-            and a.shape == b.shape and local_trials.same(a.detach(), b, bool(pieces))
+            and a.shape == b.shape
+            and local_trials.same(a.detach(), b, bool(pieces))
             for a, b in zip(found, plan.trial))
         if not local_trials.on_every_process(same, plan.mesh):
             _PLANS[model][key] = None
