@@ -42,9 +42,9 @@ it, a plain tensor among the inputs, a weight split over two mesh dims:
 each keeps the DTensor path. The first local call must then give
 this process's pieces of the trial's outputs exactly, on every process
 (which catches a layer that reads the batch size as a number, or a variable
-the model does not own); with tensor-parallel pieces, the outputs of a
-second trial, on DTensors as they are, to float rounding (the pieces sum
-in another order; an op that reads across a piece gives other numbers).
+the model does not own); with tensor-parallel pieces, to float rounding
+(the pieces sum in another order; an op that reads across a piece gives
+other numbers).
 A local call that assigns, draws or adds a loss anyway (the data took it
 elsewhere) is dropped, the random generator restored, and the call made
 on DTensors.
@@ -175,15 +175,11 @@ def _local_plan(model, original, args, kwargs):
              else None for v, g in zip(variables, gathered)]
     if any(g is None and s is None for g, s in zip(gathered, split)):
         return None
-    # Whether the call is one per row: every split weight gathered whole.
+    # Whether the call is one per row, every split weight gathered whole:
+    # what one device computes from these rows, which the first local call
+    # must give (to float rounding with tensor-parallel pieces).
     whole = {id(v): v for v, g, s in zip(variables, gathered, split) if g or s}
     trial = local_trials.trial(model, original, args, kwargs, places, rows, whole)
-    if trial is not None and any(split):
-        # The numbers the first local call must give: DTensor's own
-        # tensor parallelism (FSDP's weights gathered where read).
-        trial = local_trials.trial(
-            model, original, args, kwargs, places, rows,
-            {id(v): v for v, g in zip(variables, gathered) if g}, strict=False)
     if trial is None:
         return None
     plan = _Plan(mesh, places, rows, variables, gathered, split)

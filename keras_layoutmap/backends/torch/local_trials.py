@@ -4,7 +4,7 @@ of a plan's first local call against them, on every process.
 
 A trial notes every collective its ops take (`Collectives`, which tests
 and benchmarks count with too), every random draw, assignment and added
-loss, and, `strict`, refuses any redistribution (DTensor's
+loss, and refuses any redistribution (DTensor's strict
 `ExplicitRedistributionContext`): a call that passes looks at no other
 rows than its own.
 """
@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_layoutmap.backends.torch import gathered_weights
-from keras_layoutmap.backends.torch.placement import sums_taken
 from keras_layoutmap.keras_internals import StatelessScope, get_keras_mask
 
 
@@ -37,16 +36,13 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def trial(model, original, args, kwargs, places, rows, gathered, strict=True):
+def trial(model, original, args, kwargs, places, rows, gathered):
     """Call the model on DTensors with nothing kept (no gradients, no
     assignments, the random generator restored), each weight of
     `gathered` ({id: variable}) gathered whole where it is read (the
     gathers set aside from the checks). When nothing in the call looked
     across rows or changed state: this process's pieces of its outputs
-    (and their masks), and whether there were masks; else None. Not
-    `strict`: DTensor may redistribute and communicate (tensor
-    parallelism's sums: an earlier strict trial showed the call is one
-    per row)."""
+    (and their masks), and whether there were masks; else None."""
     try:
         from torch.distributed.tensor._utils import ExplicitRedistributionContext
     except ImportError:  # another torch: no check, so no fast path
@@ -66,10 +62,10 @@ def trial(model, original, args, kwargs, places, rows, gathered, strict=True):
 
     scope.state_mapping = gathered_weights.GatheredWhereRead(
         {}, {key: v._value for key, v in gathered.items()}, False, aside)
-    checks = (ExplicitRedistributionContext(strict=True, mode="raise")
-              if strict else contextlib.nullcontext())
     try:
-        with torch.no_grad(), scope, checks, collectives:
+        with (torch.no_grad(), scope,
+              ExplicitRedistributionContext(strict=True, mode="raise"),
+              collectives):
             outputs = original(model, *args, **kwargs)
     except Exception:  # noqa: BLE001 - the DTensor call will say what it is
         return None
@@ -77,12 +73,9 @@ def trial(model, original, args, kwargs, places, rows, gathered, strict=True):
         drew = not torch.equal(generator, torch.random.get_rng_state())
         torch.random.set_rng_state(generator)
     assigned = len(scope.state_mapping) > 0
-    if drew or scope.losses or assigned or (strict and collectives.seen):
+    if drew or scope.losses or assigned or collectives.seen:
         return None
     leaves = with_masks(outputs)
-    if not strict:  # a row-parallel last layer leaves its sums pending
-        leaves = [sums_taken(x) if isinstance(x, DTensor) else x
-                  for x in leaves]
     if leaves and all(isinstance(x, DTensor) and tuple(x.placements) == places
                       and x.ndim > 0 and x.shape[0] == rows for x in leaves):
         masked = len(leaves) != len([x for x in tree.flatten(outputs)

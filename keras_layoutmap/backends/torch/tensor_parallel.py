@@ -19,9 +19,10 @@ Elementwise ops between them (an activation, a bias piece, attention over
 this process's heads) run on the pieces as they are. Anything else that
 reads across a split dim gives other numbers than DTensor's:
 `local_pieces` compares the first local call, on every process, with the
-same call on DTensors (to float rounding), and keeps DTensors where they
-differ. What that comparison cannot see, a gradient that would need an
-f this module does not place, raises `NotLocal` at once, and the call
+same call on DTensors with the split weights gathered whole (to float
+rounding), and keeps DTensors where they differ. What that comparison
+cannot see, a gradient that would need an f this module does not place,
+raises `NotLocal` at once, and the call
 runs on DTensors: any op on a piece but a matmul or einsum it places, a
 read of its metadata, a cast, and elementwise arithmetic whose other
 operands have the split dim (two pieces in one product, a matmul on a
