@@ -22,12 +22,12 @@ reads across a split dim gives other numbers than DTensor's:
 same call on DTensors with the split weights gathered whole (to float
 rounding), and keeps DTensors where they differ. What that comparison
 cannot see, a gradient that would need an f this module does not place,
-raises `NotLocal` at once, and the call
-runs on DTensors: any op on a piece but a matmul or einsum it places, a
-read of its metadata, a cast, and elementwise arithmetic whose other
-operands have the split dim (two pieces in one product, a matmul on a
-piece of rank other than 2, an einsum with an ellipsis, a permute or a
-convolution of a piece, an operand broadcast along its split dim).
+raises `NotLocal` at once, and the call runs on DTensors: any op on a
+piece but a matmul or einsum it places, a read of its metadata, a cast,
+and elementwise arithmetic whose other operands have the split dim (two
+pieces in one product, a matmul on a piece of rank other than 2, an
+einsum with an ellipsis, a permute or a convolution of a piece, an
+operand broadcast along its split dim).
 """
 
 import contextlib
