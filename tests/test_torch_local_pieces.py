@@ -1,8 +1,10 @@
 """The torch fast path (`backends/torch/local_pieces.py`,
-`local_updates.py`): a model whose weights are replicated, or split over
-the batch axis (FSDP: gathered whole for the call), runs its layers on each
-process's own rows, and its optimizer on each process's pieces, only where
-that gives DTensor's numbers. Each test checks which path a call took and that
+`tensor_parallel.py`, `local_updates.py`): a model whose weights are
+replicated, split over the batch axis (FSDP: gathered whole for the call)
+or over the model axis (tensor parallelism: each process's piece, with
+Megatron's all-reduces), runs its layers on each process's own rows, and
+its optimizer on each process's pieces, only where that gives DTensor's
+numbers. Each test checks which path a call took and that
 training equals one process, with a short last batch.
 
 Runs under `python -m keras_layoutmap.launch -n 4 -m pytest` (nox -s
