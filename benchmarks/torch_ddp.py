@@ -255,9 +255,9 @@ def worker(args):
             self.cpu.append(time.process_time() - self._cpu)
 
     if args.waits:
-        from keras_layoutmap.backends.torch import local_step
+        from keras_layoutmap.backends.torch import bucketed_sums
 
-        sum_over = local_step.sum_over
+        sum_over = bucketed_sums.sum_over
 
         def marked_sum_over(*a, **k):
             step = waits["klm"][-1] if recording[0] == "klm" else {}
@@ -268,7 +268,7 @@ def worker(args):
             finally:
                 step["out"] = time.perf_counter()
 
-        local_step.sum_over = marked_sum_over
+        bucketed_sums.sum_over = marked_sum_over
 
     def fit_keras(keras_model, xs, ys, batch):
         timer = CpuTimer()

@@ -13,7 +13,7 @@ import functools
 
 from torch.distributed.tensor import DTensor, Partial
 
-from keras_layoutmap.backends.torch import local_step, local_updates
+from keras_layoutmap.backends.torch import bucketed_sums, local_step, local_updates
 from keras_layoutmap.backends.torch.placement import summed, to_layout
 from keras_layoutmap.layout import as_layout
 
@@ -23,14 +23,12 @@ def _sum_in_one(grads):
     placements and dtype) summed over the processes with one all-reduce
     per mesh axis for all of them."""
     first = grads[0]
-    mesh = first.device_mesh
-    # (a sum over a mesh dim of one process is its piece: no all-reduce)
-    groups = [mesh.get_group(mesh_dim)
-              for mesh_dim, place in enumerate(first.placements)
-              if isinstance(place, Partial) and mesh.size(mesh_dim) > 1]
+    groups = bucketed_sums.groups_of(first.device_mesh, [
+        mesh_dim for mesh_dim, place in enumerate(first.placements)
+        if isinstance(place, Partial)])
     if not groups:
         return [g._local_tensor for g in grads]
-    return local_step.sum_over([g._local_tensor for g in grads], groups)
+    return bucketed_sums.sum_over([g._local_tensor for g in grads], groups)
 
 
 def _is_pending_sum_of(grad, value):

@@ -111,6 +111,12 @@ class _Plan:
         self.trial = None
         self.masked = False  # the outputs carry Keras masks
 
+    @property
+    def all_replicated(self):
+        """No weight is gathered or read as a piece: each process's local
+        tensors are the whole weights."""
+        return not any(self.gathered) and not any(self.split)
+
     def still_holds(self):
         """The variables hold the values the plan was made for (a moved
         variable holds a new DTensor)."""

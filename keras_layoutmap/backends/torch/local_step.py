@@ -40,7 +40,7 @@ from keras import tree
 from keras.utils import unpack_x_y_sample_weight
 from torch.distributed.tensor import Shard
 
-from keras_layoutmap.backends.torch import local_pieces
+from keras_layoutmap.backends.torch import bucketed_sums, local_pieces
 from keras_layoutmap.backends.torch import local_step_conditions as conditions
 from keras_layoutmap.keras_internals import StatelessScope
 
@@ -48,7 +48,7 @@ _STEPPING = [None]  # the _Step that runs now: gradients are reduced by it
 # model -> {(training, plan key): local steps run} (for tests)
 _STEPS = weakref.WeakKeyDictionary()
 # model -> the flat buffers its steps sum in, kept between steps
-# (`sum_over`)
+# (`bucketed_sums.sum_over`)
 _BUFFERS = weakref.WeakKeyDictionary()
 
 
@@ -137,11 +137,10 @@ def prepare(model, batch, training=True):
     if key is None:
         return None
     plan = local_pieces.plan_of(model, key)
-    # (A plan that gathers split weights, or reads their pieces: the step
-    # maps every variable to its local piece, which is not the whole
-    # weight, and knows no f or g.)
+    # (The step maps every variable to its local piece: the whole weight
+    # only where all are replicated.)
     if (plan is None or plan.trial is not None or plan.masked
-            or any(plan.gathered) or any(plan.split)):
+            or not plan.all_replicated):
         return None
     for leaf in _leaves((y, sample_weight)):
         if leaf is None:
@@ -155,8 +154,8 @@ def prepare(model, batch, training=True):
     metric_variables = conditions.metric_variables(model, plan, training)
     if metric_variables is None:
         return None
-    groups = [plan.mesh.get_group(dim) for dim, p in enumerate(plan.placements)
-              if isinstance(p, Shard) and plan.mesh.size(dim) > 1]
+    groups = bucketed_sums.groups_of(plan.mesh, [
+        dim for dim, p in enumerate(plan.placements) if isinstance(p, Shard)])
     local_rows = next(leaf for leaf in _leaves(x)
                       if isinstance(leaf, Piece)).local.shape[0]
     steps = _STEPS.setdefault(model, {})
@@ -167,46 +166,6 @@ def prepare(model, batch, training=True):
 
 def _local(x):
     return x.local if isinstance(x, Piece) else x
-
-
-def _flat_views(tensors, buffers, purpose):
-    """(flat, views): a flat buffer for `tensors` (plain, one dtype and
-    device) and its pieces shaped as they are. Kept in `buffers` (a dict),
-    by `purpose` and the tensors' shapes, for the next step; new each call
-    where `buffers` is None."""
-    first = tensors[0]
-    key = (purpose, first.dtype, first.device, *(t.shape for t in tensors))
-    found = buffers.get(key) if buffers is not None else None
-    if found is None:
-        sizes = [t.numel() for t in tensors]
-        flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        found = (flat, tuple(piece.view(t.shape) for piece, t in
-                             zip(torch.split(flat, sizes), tensors)))
-        if buffers is not None:
-            buffers[key] = found
-    return found
-
-
-def sum_over(tensors, groups, scale=1.0, scaled=None, buffers=None,
-             purpose=None):
-    """`tensors` (plain, one dtype) summed over `groups` in one all-reduce
-    per group for all of them, the first `scaled` of them (all by default)
-    multiplied by `scale` first.
-
-    The sums are views of one flat buffer: a new one, or, with `buffers`
-    (a dict), the one kept there for `purpose` and these shapes, which the
-    next such sum overwrites (as `DistributedDataParallel`'s gradients are
-    views of its buckets)."""
-    flat, views = _flat_views(tensors, buffers, purpose)
-    # the first `scaled` are multiplied into the buffer, the rest copied
-    scaled = 0 if scale == 1.0 else len(tensors) if scaled is None else scaled
-    for view, t in zip(views[:scaled], tensors[:scaled]):
-        torch.mul(t, scale, out=view)
-    if scaled < len(tensors):
-        torch._foreach_copy_(views[scaled:], tensors[scaled:])
-    for group in groups:
-        torch.distributed.all_reduce(flat, group=group)
-    return views
 
 
 def stepping():
@@ -241,9 +200,9 @@ def reduce_gradients(grads):
         counted = [v for v in step.metric_variables
                    if values[id(v)].dtype == dtype and id(v) not in step.summed]
         increments = [values[id(v)] for v in counted]
-        summed = sum_over([grads[i].detach() for i in indices] + increments,
-                          step.groups, scale, len(indices), step.buffers,
-                          "gradients")
+        summed = bucketed_sums.sum_over(
+            [grads[i].detach() for i in indices] + increments, step.groups,
+            scale, len(indices), step.buffers, "gradients")
         for i, g in zip(indices, summed):
             result[i] = g
         for variable, increment, total in zip(
@@ -269,8 +228,8 @@ def _metric_sums(step):
     for variable, current in rest:
         by_dtype.setdefault(current.dtype, []).append((variable, current))
     for pairs in by_dtype.values():
-        totals = sum_over([c for _, c in pairs], step.groups,
-                          buffers=step.buffers, purpose="metrics")
+        totals = bucketed_sums.sum_over([c for _, c in pairs], step.groups,
+                                        buffers=step.buffers, purpose="metrics")
         found.update((id(v), t) for (v, _), t in zip(pairs, totals))
     return found
 

@@ -15,7 +15,6 @@ forward, the identity backward), as DTensor holds a replicated gradient.
 import functools
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from keras_layoutmap.backends.torch.keras_internals import Variable, convert_to_tensor
@@ -24,18 +23,7 @@ from keras_layoutmap.backends.torch.placement import (
     contiguous_stride,
     local_slices,
 )
-
-
-class _SumOverGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+from keras_layoutmap.backends.torch.tensor_parallel import SumOverGroup
 
 
 def _row_sharded_lookup(table, ids):
@@ -68,7 +56,7 @@ def _row_sharded_lookup(table, ids):
         table.to_local(grad_placements=grad_places))
     found = found * inside.unsqueeze(-1).to(found.dtype)
     for mesh_dim in row_dims:
-        found = _SumOverGroup.apply(found, mesh.get_group(mesh_dim))
+        found = SumOverGroup.apply(found, mesh.get_group(mesh_dim))
     shape = (*ids.shape, table.shape[1])
     return DTensor.from_local(found, mesh, ids_places, run_check=False,
                               shape=shape, stride=contiguous_stride(shape))

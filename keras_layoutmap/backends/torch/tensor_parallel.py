@@ -79,8 +79,9 @@ def grad_placements(value, places):
                  for rows, place in zip(places, value.placements))
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """g: all-reduced forward, the gradient as it is backward."""
+class SumOverGroup(torch.autograd.Function):
+    """g: all-reduced forward, the gradient as it is backward (also the
+    vocabulary-parallel lookup's sum, `lookups`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -204,7 +205,7 @@ class Pieces(TorchFunctionMode):
         _, dim, group = piece
         summed_dim = 0 if weight is b else 1
         if dim == summed_dim:  # row parallel: partial sums, all-reduced
-            return _SumOverGroup.apply(func(a, b, **kwargs), group)
+            return SumOverGroup.apply(func(a, b, **kwargs), group)
         if weight is b:  # column parallel
             return func(self._f(a, group), b, **kwargs)
         return func(a, self._f(b, group), **kwargs)
@@ -226,7 +227,7 @@ class Pieces(TorchFunctionMode):
         index, (_, dim, group) = found[0]
         letter = inputs[index][dim]
         if letter not in output:  # row parallel
-            return _SumOverGroup.apply(
+            return SumOverGroup.apply(
                 torch.einsum(subscripts, *operands, **kwargs), group)
         # Column parallel: an operand without the letter is whole on every
         # process (its gradient partial); one with it is a piece already.
