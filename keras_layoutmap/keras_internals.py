@@ -149,6 +149,9 @@ get_keras_mask = private("keras.src.backend.common.masking:get_keras_mask")
 set_keras_mask = private("keras.src.backend.common.masking:set_keras_mask")
 standardize_data_format = private(
     "keras.src.backend.config:standardize_data_format")
+# Runs a function on symbolic inputs with the backend's own tracing (no
+# memory): the projection trace of `projection_inputs`.
+compute_output_spec = private("keras.src.backend:compute_output_spec")
 # The module `keras.distribution` calls for a backend's meshes, layouts and
 # devices; its attribute `distribution_lib` is the backend's own module
 # (None on torch before 3.16).

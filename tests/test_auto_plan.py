@@ -23,7 +23,7 @@ from helpers import (
 )
 
 import keras_layoutmap as klm
-from keras_layoutmap import auto_plan
+from keras_layoutmap import weight_roles
 from keras_layoutmap.layout import fit_problem
 from keras_layoutmap.rules import auto
 
@@ -151,7 +151,7 @@ def test_functional_graph_branches_and_merges():
     x = keras.layers.Dense(16, name="c")(keras.layers.Concatenate()([a, b]))
     x = keras.layers.Dropout(0.1)(keras.layers.Activation("relu")(x))
     model = keras.Model(inputs, keras.layers.Dense(16, name="d")(x))
-    roles = {w.path: w.role for w in auto_plan.describe(model)}
+    roles = {w.path: w.role for w in weight_roles.describe(model)}
     assert [roles[f"{n}.kernel"] for n in "abcd"] == [
         auto.COLUMN, auto.COLUMN, auto.COLUMN, auto.ROW]
 
@@ -199,6 +199,48 @@ def test_subclassed_model_pairs_inside_each_block():
     assert rows["head.kernel"].layout.sharding_specs[1] == "model"
 
 
+class GatedBlock(keras.layers.Layer):
+    """x + down(gelu(gate(x)) * up(x)) with square kernels: the shapes
+    cannot tell the down projection from the gate."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = keras.layers.Dense(16, name="gate")
+        self.up = keras.layers.Dense(16, name="up")
+        self.down = keras.layers.Dense(16, name="down")
+
+    def call(self, x):
+        return x + self.down(keras.ops.gelu(self.gate(x)) * self.up(x))
+
+
+class GatedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = GatedBlock(name="block")
+
+    def call(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_square_gated_mlp_pairs_by_the_tensors_each_projection_reads(kind):
+    """The gate and up read one tensor, so both are column-parallel and the
+    down projection is their row (the order of the weights alone made `up`
+    the row and `down` a column: correct numbers, extra collectives)."""
+    def build():
+        inputs = keras.Input((16,))
+        if kind == "functional":
+            return keras.Model(inputs, GatedBlock(name="block")(inputs))
+        model = GatedNet()
+        model(inputs)
+        return model
+
+    roles = {w.path: w.role
+             for w in weight_roles.describe(shapes_only(build))}
+    assert [roles[f"block.{n}.kernel"] for n in ("gate", "up", "down")] == [
+        auto.COLUMN, auto.COLUMN, auto.ROW]
+
+
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_convolutions_on_tensorflow_keep_whole_kernels(backend):
     def build():
@@ -207,7 +249,7 @@ def test_convolutions_on_tensorflow_keep_whole_kernels(backend):
         x = keras.layers.GlobalAveragePooling2D()(x)
         return keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
 
-    weights = {w.path: w for w in auto_plan.describe(shapes_only(build),
+    weights = {w.path: w for w in weight_roles.describe(shapes_only(build),
                                                      backend=backend)}
     placed = {p.path: p for p in auto.plan(
         list(weights.values()), {"batch": 4, "model": 2}, model_axis="model",

@@ -1,0 +1,408 @@
+"""Each weight's role in a model, read from its layers and shapes: the
+walk `klm.auto_layout_map` plans from.
+
+A `Dense` or `EinsumDense` kernel that reads the residual stream is
+column-parallel and the one that writes back to it row-parallel; where the
+shapes cannot tell (a square kernel), the tensors the projections read
+decide (`projection_inputs`): two that read one tensor are both the column
+side of a pair, and one fed by a column-parallel projection is its row. An
+`EinsumDense` kernel with several output dimensions (q, k, v) is split by
+heads, one with several contracted dimensions (the attention output) too;
+an `Embedding` over its vocabulary (an untied output projection beside it
+follows); the weights of a layer holding several tables with a common first
+dimension are experts; biases follow their kernel; norms and other rank-1
+weights are replicated. `rules.auto` turns these roles into layouts.
+"""
+
+import collections
+import math
+import re
+
+import keras
+import numpy as np
+
+from keras_layoutmap import paths
+from keras_layoutmap.projection_inputs import projection_reads
+from keras_layoutmap.rules import auto
+
+_CONV = tuple(getattr(keras.layers, n) for n in ("Conv1D", "Conv2D", "Conv3D"))
+_CONV_ANY = tuple(
+    getattr(keras.layers, n) for n in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
+        "SeparableConv1D", "SeparableConv2D")
+    if hasattr(keras.layers, n))
+_RNN_CELLS = tuple(getattr(keras.layers, n) for n in (
+    "SimpleRNNCell", "LSTMCell", "GRUCell") if hasattr(keras.layers, n))
+
+
+class _Projection:
+    """A Dense or EinsumDense kernel: which of its dimensions are inputs
+    (contracted) and which outputs."""
+
+    def __init__(self, path, owner, parent, shape, ins, outs):
+        self.path, self.owner, self.parent = path, owner, parent
+        self.shape, self.ins, self.outs = shape, ins, outs
+        self.role = None
+        self.partners = []
+        self.group = [self]  # the projections of the same parent layer
+
+    @property
+    def in_size(self):
+        return math.prod(self.shape[d] for d in self.ins)
+
+    @property
+    def out_size(self):
+        return math.prod(self.shape[d] for d in self.outs)
+
+
+def _owners_and_parents(model):
+    """`{id(variable): (object_path, owner, parent_of_owner)}`: the layer
+    that holds each weight and the layer that holds that one (Keras' own
+    tracking, which sees every sublayer), named by its object path (else
+    its `variable.path`)."""
+    object_paths = paths.object_paths(model)
+    found = {}
+    seen = set()
+    stack = [(model, None)]
+    while stack:
+        layer, parent = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        for variable in (list(layer._trainable_variables)
+                         + list(layer._non_trainable_variables)):
+            found.setdefault(id(variable), (
+                object_paths.get(id(variable), variable.path), layer, parent))
+        children = layer._flatten_layers(include_self=False, recursive=False)
+        stack.extend((child, layer) for child in reversed(list(children)))
+    return found
+
+
+def _einsum_dims(equation, kernel_rank):
+    """`(ins, outs, letters)` of an EinsumDense kernel: its dimensions the
+    equation contracts with the input, those it keeps in the output, and
+    each dimension's letter."""
+    equation = equation.replace("...", "")
+    left, out = equation.split("->")
+    inputs, kernel = left.split(",")
+    kernel = kernel.strip()
+    if len(kernel) != kernel_rank:
+        return None
+    ins = tuple(i for i, c in enumerate(kernel) if c in inputs and c not in out)
+    outs = tuple(i for i, c in enumerate(kernel) if c in out)
+    return ins, outs, kernel
+
+
+def describe(model, backend="jax"):
+    """The planner's view of every weight of `model`: a list of
+    `rules.auto.Weight`, kernels before the biases that follow them.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_layoutmap.weight_roles import describe
+    >>> model = keras.Sequential([keras.Input((8,)),
+    ...     keras.layers.Dense(16, name="up"), keras.layers.Dense(8, name="down")])
+    >>> [(w.path, w.role) for w in describe(model)]  # doctest: +NORMALIZE_WHITESPACE
+    [('up.kernel', 'column'), ('up.bias', 'follows'),
+     ('down.kernel', 'row'), ('down.bias', 'follows')]
+    """
+    owners = _owners_and_parents(model)
+    rows = []
+    for variable in model.weights:
+        object_path, owner, parent = owners.get(
+            id(variable), (variable.path, None, None))
+        shape = tuple(int(d) for d in variable.shape)
+        rows.append((variable, object_path, owner, parent, shape))
+    projections = _projections(rows)
+    width = _stream_width(rows)
+    _assign_projection_roles(projections, width, model)
+    experts = _expert_owners(rows)
+    weights = []
+    for variable, object_path, owner, _, shape in rows:
+        weights.append(_weight(variable, object_path, owner, shape,
+                               projections, experts, width, backend))
+    return weights
+
+
+def _itemsize(dtype):
+    try:
+        return np.dtype(str(dtype)).itemsize
+    except TypeError:  # bfloat16, float8: numpy does not know them
+        found = re.search(r"\d+", str(dtype))
+        return max(1, int(found.group()) // 8) if found else 4
+
+
+def _projections(rows):
+    """`{object_path: _Projection}` for every Dense / EinsumDense kernel."""
+    found = {}
+    for variable, object_path, owner, parent, shape in rows:
+        if variable.name != "kernel" or owner is None:
+            continue
+        if isinstance(owner, keras.layers.EinsumDense):
+            dims = _einsum_dims(owner.equation, len(shape))
+            if dims is None or not dims[0] or not dims[1]:
+                continue
+            ins, outs = dims[0], dims[1]
+        elif isinstance(owner, keras.layers.Dense) and len(shape) == 2:
+            ins, outs = (0,), (1,)
+        else:
+            continue
+        found[object_path] = _Projection(object_path, owner, parent, shape,
+                                         ins, outs)
+    return found
+
+
+def _stream_width(rows):
+    """The residual stream's width: the feature size of the largest
+    embedding table (None for a model without one)."""
+    tables = [shape for _, _, owner, _, shape in rows
+              if isinstance(owner, keras.layers.Embedding) and len(shape) == 2]
+    if not tables:
+        return None
+    return max(tables, key=math.prod)[1]
+
+
+def _assign_projection_roles(projections, width, model):
+    """Column or row for each projection (heads for attention's), and the
+    projections each pairs with. A projection that reads the residual
+    stream (`width`) is column-parallel, one that writes it row-parallel.
+    Where the shape cannot tell: one that reads the tensor an earlier
+    projection reads takes its side (a gated MLP's gate and up); one fed by
+    a column-parallel projection (the tensor it wrote, the graph of a
+    Functional model, else the previous projection in the same layer) is
+    row-parallel; any other column-parallel."""
+    previous = {}  # id(parent) -> the last projection seen there
+    by_layer = {id(p.owner): p for p in projections.values()}
+    traced = []  # projection_reads(model, ...), traced on first need
+
+    def reads():
+        if not traced:
+            traced.append(projection_reads(
+                model, [p.owner for p in projections.values()]))
+        return traced[0]
+
+    decided = []
+    for proj in projections.values():
+        if len(proj.outs) > 1 and len(proj.ins) == 1:
+            proj.role = auto.HEADS
+        elif len(proj.ins) > 1 and len(proj.outs) == 1:
+            proj.role = auto.HEADS_OUT
+        elif width is not None and proj.in_size == width != proj.out_size:
+            proj.role = auto.COLUMN
+        elif width is not None and proj.out_size == width != proj.in_size:
+            proj.role = auto.ROW
+        else:
+            proj.role = _ambiguous_role(proj, decided, reads(), by_layer,
+                                        previous.get(id(proj.parent)))
+        previous[id(proj.parent)] = proj
+        decided.append(proj)
+    _pair(projections)
+
+
+def _ambiguous_role(proj, decided, reads, by_layer, last):
+    """The role of a projection whose shape does not say (see
+    `_assign_projection_roles`)."""
+    read = reads.get(id(proj.owner), (None, None))[0]
+    if read is not None:
+        for other in decided:
+            if reads.get(id(other.owner), (None, None))[0] == read:
+                return (auto.ROW if other.role in (auto.ROW, auto.HEADS_OUT)
+                        else auto.COLUMN)
+        upstream = [p for p in decided
+                    if reads.get(id(p.owner), (None, None))[1] == read]
+    else:
+        upstream = []
+    if not upstream:
+        upstream = _upstream(proj, by_layer)
+        if upstream is None:  # no graph: the previous one in its layer
+            upstream = [] if last is None else [last]
+    follows_column = any(
+        up.role == auto.COLUMN and up.out_size == proj.in_size
+        for up in upstream)
+    return auto.ROW if follows_column else auto.COLUMN
+
+
+def _upstream(proj, by_layer):
+    """The projections whose outputs reach `proj`'s layer through layers of
+    one input (activations, dropout, norms), read from a Functional or
+    Sequential model's graph; a merge (`Add`, `Concatenate`) or an input
+    ends the search. None when the layer has no graph (inside a layer)."""
+    nodes = getattr(proj.owner, "_inbound_nodes", None)
+    if not nodes or not isinstance(proj.parent, keras.Model):
+        return None
+    found, stack, seen = [], list(nodes[0].parent_nodes), set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        layer = node.operation
+        if id(layer) in by_layer:
+            found.append(by_layer[id(layer)])
+        elif len(node.parent_nodes) == 1:
+            stack.extend(node.parent_nodes)
+    return found
+
+
+def _pair(projections):
+    """Record, in each parent layer, which row projection each column one
+    feeds (the next row reading as many features as it writes)."""
+    by_parent = collections.defaultdict(list)
+    for proj in projections.values():
+        by_parent[id(proj.parent)].append(proj)
+    for group in by_parent.values():
+        for proj in group:
+            proj.group = group
+        for i, proj in enumerate(group):
+            if proj.role not in (auto.COLUMN, auto.HEADS):
+                continue
+            wanted = auto.ROW if proj.role == auto.COLUMN else auto.HEADS_OUT
+            for later in group[i + 1:]:
+                if later.role == wanted and _feeds(proj, later):
+                    proj.partners.append(later)
+                    later.partners.append(proj)
+                    break
+
+
+def _feeds(first, second):
+    if first.role == auto.HEADS:
+        heads = tuple(first.shape[d] for d in first.outs)
+        return heads == tuple(second.shape[d] for d in second.ins) or (
+            heads[1:] == tuple(second.shape[d] for d in second.ins)[1:])
+    return first.out_size == second.in_size
+
+
+def _expert_owners(rows):
+    """Layers (not Dense / EinsumDense) holding two or more weights of rank
+    3 or more with the same first dimension: their experts. `{id(layer):
+    number_of_experts}`."""
+    firsts = collections.defaultdict(list)
+    for _, _, owner, _, shape in rows:
+        if owner is None or len(shape) < 3 or isinstance(
+                owner, (keras.layers.Dense, keras.layers.EinsumDense) + _CONV_ANY):
+            continue
+        firsts[id(owner)].append(shape[0])
+    return {key: dims[0] for key, dims in firsts.items()
+            if len(dims) >= 2 and len(set(dims)) == 1 and dims[0] > 1}
+
+
+def _name(proj):
+    return proj.owner.name
+
+
+def _weight(variable, path, owner, shape, projections, experts, width,
+            backend):
+    """The `rules.auto.Weight` of one variable."""
+    itemsize = _itemsize(variable.dtype)
+    rank = len(shape)
+
+    def make(role, model_dims=(), detail="", **kwargs):
+        return auto.Weight(path, shape, itemsize, role, tuple(model_dims),
+                           detail, **kwargs)
+
+    if rank == 0:
+        return make(auto.WHOLE, detail="a scalar")
+    proj = projections.get(path)
+    if proj is not None:
+        return _projection_weight(proj, make)
+    kernel = _kernel_of(owner, variable, path, projections)
+    if kernel is not None:
+        return kernel(make)
+    tf = backend == "tensorflow"
+    if owner is not None and isinstance(owner, _CONV_ANY):
+        if tf:
+            return make(auto.WHOLE, data_ok=False, detail=(
+                "TensorFlow's DTensor runs convolutions only with whole "
+                "kernels"))
+        if isinstance(owner, _CONV) and variable.name == "kernel":
+            return make(auto.CONV, [(rank - 1, "output channels")])
+        return make(auto.WHOLE, data_ok=rank >= 2,
+                    detail="a convolution weight kept whole")
+    if tf and owner is not None and isinstance(owner, _RNN_CELLS):
+        return make(auto.WHOLE, data_ok=False, detail=(
+            "TensorFlow's DTensor cannot split a recurrent cell's gates"))
+    if rank == 1:
+        return make(auto.WHOLE, detail=f"{shape[0]} values (a norm, bias or "
+                    "scale)")
+    if owner is not None and isinstance(owner, keras.layers.Embedding):
+        vocab = int(owner.input_dim)
+        if variable.name == "embeddings":
+            return make(auto.EMBEDDING, [(0, "tokens"), (1, "features")])
+        vocab_dims = [d for d in range(rank) if shape[d] == vocab]
+        if vocab_dims:
+            other = [d for d in range(rank) if d not in vocab_dims]
+            return make(auto.REVERSE, [(vocab_dims[0], "tokens")]
+                        + [(d, "features") for d in other],
+                        detail=f"beside {owner.name}'s embeddings")
+    if owner is not None and id(owner) in experts and rank >= 3:
+        dims = [(0, "experts")]
+        if width is not None and shape[1] == width:
+            dims.append((rank - 1, "outputs"))
+        elif width is not None and shape[-1] == width:
+            dims.append((1, "inputs"))
+        return make(auto.EXPERTS, dims,
+                    detail=f"layer {owner.name!r}")
+    order = sorted(range(rank), key=lambda d: (-shape[d], d))
+    return make(auto.OTHER, [(d, f"dimension {d}") for d in order],
+                detail=f"{owner.name if owner is not None else path}")
+
+
+def _projection_weight(proj, make):
+    names = ", ".join(_name(p) for p in proj.partners)
+    if proj.role == auto.COLUMN:
+        detail = f"feeds {names}" if names else f"{_name(proj)}"
+        dims = [(proj.outs[0], "outputs"), (proj.ins[0], "inputs")]
+    elif proj.role == auto.ROW:
+        detail = f"reads {names}" if names else f"{_name(proj)}"
+        dims = [(proj.ins[0], "inputs"), (proj.outs[0], "outputs")]
+    elif proj.role == auto.HEADS:
+        label = "heads"
+        siblings = [p for p in proj.group if p.role == auto.HEADS
+                    and p.in_size == proj.in_size]
+        most = max(p.shape[p.outs[0]] for p in siblings)
+        if proj.shape[proj.outs[0]] < most:
+            label = "key/value heads"
+        detail = f"{_name(proj)}, feeds {names}" if names else _name(proj)
+        # Heads the axis does not divide: split the input features (a
+        # partial sum, as row-parallel), which every backend runs
+        # (TensorFlow's DTensor refuses a split head_dim).
+        dims = [(proj.outs[0], label), (proj.ins[0], "inputs")]
+    else:  # HEADS_OUT
+        detail = f"reads {names}" if names else _name(proj)
+        dims = [(proj.ins[0], "heads"), (proj.outs[0], "outputs")]
+    return make(proj.role, dims, detail)
+
+
+def _kernel_of(owner, variable, path, projections):
+    """For the bias of a Dense / EinsumDense / Conv layer: a maker of the
+    `Weight` that follows its kernel; None for any other weight."""
+    if owner is None or variable.name != "bias":
+        return None
+    kernel_path = path[: -len("bias")] + "kernel"
+    proj = projections.get(kernel_path)
+    shape = tuple(int(d) for d in variable.shape)
+    if proj is not None:
+        if isinstance(owner, keras.layers.EinsumDense):
+            letters = _einsum_dims(owner.equation, len(proj.shape))[2]
+            bias_letters = _bias_letters(owner, len(shape))
+            pairs = tuple((letters.index(c), i) for i, c in enumerate(bias_letters)
+                          if c in letters)
+        else:
+            pairs = ((1, 0),)
+    elif isinstance(owner, _CONV):
+        pairs = ((len(owner.kernel.shape) - 1, 0),)
+    else:
+        return None
+
+    def make(make_weight):
+        return make_weight(auto.FOLLOWS, kernel=kernel_path, kernel_dims=pairs)
+
+    return make
+
+
+def _bias_letters(owner, rank):
+    """The output letters an EinsumDense bias of `rank` spans (its last)."""
+    output = owner.equation.split("->")[1].replace("...", "")
+    return output[-rank:] if rank else ""
