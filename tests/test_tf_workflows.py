@@ -11,7 +11,11 @@ mesh.
 - A keras-hub `GemmaCausalLM` generates on a mesh the ids one device does:
   Keras' TensorFlow einsum transposed the replicated KV cache into a matmul
   with the split query, which DTensor's Transpose refuses ("TransposeOp SPMD
-  needs communication is not supported yet").
+  needs communication is not supported yet"); under `klm.fsdp`, DTensor's
+  ArgMax refused the greedy sampler's logits.
+- `ops.argmax` / `ops.argmin` on a mesh give one device's index (the first
+  on a tie, -0.0 below 0.0, NaN passed over), eagerly and in a
+  `tf.function`.
 """
 
 import keras
@@ -96,10 +100,20 @@ def model_parallel():
         batch_dim_name="batch")
 
 
+def fsdp():
+    """`klm.fsdp` over the batch axis: the logits come out split over the
+    vocabulary and whole over the batch, the next token split over the
+    batch (DTensor's ArgMax did not slice its rows: "SPMD expansion
+    resulted in op output inconsistent with the provided layout")."""
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+    return klm.fsdp(mesh, axis="batch", min_bytes=0)
+
+
 @pytest.mark.parametrize("distribution, rows", [
     (data_parallel, DEVICES),  # one prompt per device
     (model_parallel, DEVICES // 2),  # one prompt per batch shard
-], ids=["data_parallel", "model_parallel"])
+    (fsdp, DEVICES),
+], ids=["data_parallel", "model_parallel", "fsdp"])
 def test_generate_one_prompt_per_shard_equals_one_device(distribution, rows):
     prompts = mixed_prompts(rows)
     keras.distribution.set_distribution(None)
@@ -110,3 +124,30 @@ def test_generate_one_prompt_per_shard_equals_one_device(distribution, rows):
     mask = prompts["padding_mask"]
     np.testing.assert_array_equal(np.where(mask, got, 0), prompts["token_ids"])
     assert (got[~mask] != 0).any()  # it generated
+
+
+def test_argmax_and_argmin_on_a_mesh_give_one_devices_index():
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(DEVICES, 6)).astype("float32")  # ties
+    x[0, :] = [0.0, -0.0, -0.0, 0.0, -1.0, -2.0]
+    x[1, :] = [-0.0, -0.0, 0.0, 1.0, 2.0, 3.0]
+    x[2, 3] = np.nan
+    layouts = [klm.Layout(specs, mesh) for specs in
+               (["batch", "model"], ["batch", None], [None, "model"])]
+    import tensorflow as tf
+
+    for layout in layouts:
+        placed = klm.distribute(x, layout)
+        for axis in (-1, 0):
+            for name in ("argmax", "argmin"):
+                op = getattr(keras.ops, name)
+                want = keras.ops.convert_to_numpy(op(x, axis=axis))
+                got = keras.ops.convert_to_numpy(op(placed, axis=axis))
+                np.testing.assert_array_equal(got, want, f"{name} {layout}")
+                with model_parallel().scope():
+                    traced = tf.function(lambda t, op=op, axis=axis: op(
+                        t, axis=axis, keepdims=True))
+                    got = keras.ops.convert_to_numpy(traced(placed))
+                np.testing.assert_array_equal(
+                    got, np.expand_dims(want, axis), f"{name} {layout} traced")

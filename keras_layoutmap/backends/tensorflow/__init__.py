@@ -14,8 +14,8 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 `variables` (DVariables), `training` (the trainer hooks), `random_draws`
 (random numbers inside a step), `export`, `processes` (DTensor
 multi-client), `keras_distribution` (what `keras.distribution` asks of
-the backend: every process's devices), `slice_updates` / `einsum`
-(keras-hub's `generate()` on a mesh), `quantized_matmul` /
+the backend: every process's devices), `slice_updates` / `einsum` /
+`arg_reductions` (keras-hub's `generate()` on a mesh), `quantized_matmul` /
 `quantized_lookup` / `quantized_float8` (quantized layers on a mesh). This
 module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
@@ -26,6 +26,7 @@ import os
 import keras
 
 from keras_layoutmap.backends.tensorflow import (
+    arg_reductions,
     einsum,
     export,
     gather,
@@ -122,6 +123,9 @@ def install():
     # keras-hub's generate(): the KV cache and token updates on a mesh.
     keras_tf.core.slice_update = slice_updates.wrap_slice_update(
         keras_tf.core.slice_update)
+    # ... the greedy sampler's argmax of logits laid out unlike its output.
+    keras_tf.numpy.argmax = arg_reductions.wrap_argmax(keras_tf.numpy.argmax)
+    keras_tf.numpy.argmin = arg_reductions.wrap_argmin(keras_tf.numpy.argmin)
     # ... and attention's einsums, which Keras rewrites into transposes
     # DTensor cannot lay out (the KV cache against a split query).
     keras_tf.numpy.einsum = einsum.wrap_einsum(keras_tf.numpy.einsum)
