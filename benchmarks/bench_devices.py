@@ -19,8 +19,8 @@ import sys
 def mesh_devices(script, processes=4, devices=8):
     """How many devices the mesh has. Sets `KERAS_BACKEND` (JAX unless
     set) and quiets TensorFlow's log; on torch outside the launcher, runs
-    `script` as `processes` processes (one thread each) and exits with
-    their status."""
+    `script` (with this command line's arguments) as `processes` processes
+    (one thread each) and exits with their status."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if os.environ["KERAS_BACKEND"] != "torch":
@@ -28,6 +28,6 @@ def mesh_devices(script, processes=4, devices=8):
     if "WORLD_SIZE" not in os.environ:
         sys.exit(subprocess.call(
             [sys.executable, "-m", "keras_layoutmap.launch", "-n",
-             str(processes), script],
+             str(processes), script, *sys.argv[1:]],
             env=dict(os.environ, OMP_NUM_THREADS="1")))
     return int(os.environ["WORLD_SIZE"])

@@ -14,8 +14,7 @@ mesh.
   needs communication is not supported yet"); under `klm.fsdp`, DTensor's
   ArgMax refused the greedy sampler's logits.
 - `ops.argmax` / `ops.argmin` on a mesh give one device's index (the first
-  on a tie, -0.0 below 0.0, NaN passed over), eagerly and in a
-  `tf.function`.
+  on a tie, -0.0 below 0.0, infinities), eagerly and in a `tf.function`.
 """
 
 import keras
@@ -132,7 +131,8 @@ def test_argmax_and_argmin_on_a_mesh_give_one_devices_index():
     x = rng.integers(-3, 4, size=(DEVICES, 6)).astype("float32")  # ties
     x[0, :] = [0.0, -0.0, -0.0, 0.0, -1.0, -2.0]
     x[1, :] = [-0.0, -0.0, 0.0, 1.0, 2.0, 3.0]
-    x[2, 3] = np.nan
+    x[2, :] = [np.inf, 2.0, np.inf, -np.inf, 0.0, 1.0]
+    x[3, :] = -np.inf
     layouts = [klm.Layout(specs, mesh) for specs in
                (["batch", "model"], ["batch", None], [None, "model"])]
     import tensorflow as tf

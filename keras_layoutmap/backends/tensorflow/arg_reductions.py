@@ -9,10 +9,12 @@ prompt is split over the batch, and `generate()` failed with DTensor's
 "SPMD expansion resulted in op output inconsistent with the provided
 layout". On a mesh the index is computed from ops whose rules lay out
 their outputs: the extreme along the axis (`reduce_max` / `reduce_min`),
-then the first position holding it (`reduce_min` of the positions where
-the input equals it). That is the index `tf.argmax` gives, the first on a
-tie, with Keras' own treatment of -0.0 (below 0.0) kept, and NaN passed
-over as TensorFlow's ArgMax does on one device.
+then the first position holding it (`reduce_min` of the positions, plus
+the axis' size where the input is not the extreme). That is the index
+`tf.argmax` gives, the first on a tie, with Keras' own treatment of -0.0
+(below 0.0) kept; infinities count as the largest finite values. One
+difference: a row holding NaN gives index 0 (TensorFlow's ArgMax passes
+over NaN on one device).
 """
 
 import functools
@@ -24,32 +26,29 @@ from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
 
 
 def _first_extreme(x, axis, keepdims, largest):
-    # Masks are int32, never bool: DTensor moves a bool tensor between
-    # layouts with an all-to-all that refuses bool ("must be tensor of
-    # floating-point or 32/64-bit signed integer values").
-    def ones_where(condition):
-        return tf.cast(condition, tf.int32)
-
-    if x.dtype.is_floating:
-        x = tf.cast(x, tf.float32) if x.dtype.size < 4 else x
-        tiny = np.finfo(x.dtype.as_numpy_dtype).tiny
-        negative_zero = ones_where(tf.equal(x, 0.0)) * ones_where(
-            tf.math.reciprocal(x) < 0.0)
-        x = x - tf.cast(negative_zero, x.dtype) * tiny
-        # TensorFlow's one-device ArgMax passes over NaN: a NaN becomes the
-        # far end of the finite range (multiply_no_nan: 0 x NaN is 0).
-        nans = tf.cast(tf.math.is_nan(x), x.dtype)
-        far = -np.finfo(x.dtype.as_numpy_dtype).max if largest else (
-            np.finfo(x.dtype.as_numpy_dtype).max)
-        x = tf.math.multiply_no_nan(x, 1.0 - nans) + nans * far
+    # No bool tensor on the way: DTensor moves one between layouts with an
+    # all-to-all that refuses bool ("must be tensor of floating-point or
+    # 32/64-bit signed integer values"), so the masks are signs.
+    floating = x.dtype.is_floating
+    x = tf.cast(x, tf.float32 if floating and x.dtype.size < 4 else
+                x.dtype if floating else tf.float64)
+    big = np.finfo(x.dtype.as_numpy_dtype).max
+    x = tf.clip_by_value(x, -big, big)  # inf - inf would be NaN below
+    if floating:  # Keras: -0.0 below 0.0 (its flush-to-zero fix)
+        negative_zero = tf.nn.relu(-tf.math.sign(tf.math.reciprocal(x))) * (
+            1.0 - tf.math.abs(tf.math.sign(x)))
+        x = x - negative_zero * np.finfo(x.dtype.as_numpy_dtype).tiny
     reduce = tf.reduce_max if largest else tf.reduce_min
-    hits = ones_where(tf.equal(x, reduce(x, axis=axis, keepdims=True)))
+    gap = reduce(x, axis=axis, keepdims=True) - x
+    elsewhere = tf.math.sign(gap if largest else -gap)  # 0 where extreme
     size = tf.shape(x)[axis]
     view = [1] * x.shape.rank
     view[axis] = -1
-    positions = tf.reshape(tf.range(size, dtype=tf.int32), view)
-    return tf.reduce_min(hits * positions + (1 - hits) * size, axis=axis,
-                         keepdims=keepdims)
+    positions = tf.reshape(tf.range(tf.cast(size, x.dtype)), view)
+    first = tf.reduce_min(positions + elsewhere * tf.cast(size, x.dtype),
+                          axis=axis, keepdims=keepdims)
+    # A row holding NaN gives NaN here: index 0.
+    return tf.clip_by_value(tf.cast(first, tf.int32), 0, size - 1)
 
 
 def _wrap(original, largest):
