@@ -129,7 +129,8 @@ def _built_call(model):
 @contextlib.contextmanager
 def _watching(watched, found, number, kept):
     """Wrap each watched layer's `call` (on the instance) to record what it
-    reads and writes in `found`; put the methods back on exit."""
+    reads and writes in `found`; on exit put back what the instance had (its
+    class's method, or a `call` of its own)."""
 
     def wrap(layer, original):
         def call(*args, **kwargs):
@@ -142,12 +143,16 @@ def _watching(watched, found, number, kept):
 
         return call
 
-    wrapped = []
+    wrapped = []  # (layer, its own `call` attribute or None)
     try:
         for layer in watched.values():
+            own = vars(layer).get("call")
             object.__setattr__(layer, "call", wrap(layer, layer.call))
-            wrapped.append(layer)
+            wrapped.append((layer, own))
         yield
     finally:
-        for layer in wrapped:
-            object.__delattr__(layer, "call")
+        for layer, own in wrapped:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)

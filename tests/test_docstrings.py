@@ -8,7 +8,8 @@ import pytest
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
            "metrics", "placement", "processes", "initializers", "strict",
            "keras_classes", "fsdp", "visualize", "zero", "same_value",
-           "one_writer", "save_handshake"]
+           "one_writer", "save_handshake", "auto_plan", "weight_roles",
+           "projection_inputs"]
 
 
 @pytest.mark.sharding
