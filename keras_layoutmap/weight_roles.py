@@ -32,6 +32,7 @@ _CONV_ANY = tuple(
         "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
         "SeparableConv1D", "SeparableConv2D")
     if hasattr(keras.layers, n))
+ROUTER = "router"  # a mixture of experts' router: kept whole
 _RNN_CELLS = tuple(getattr(keras.layers, n) for n in (
     "SimpleRNNCell", "LSTMCell", "GRUCell") if hasattr(keras.layers, n))
 
@@ -119,11 +120,27 @@ def describe(model, backend="jax"):
     width = _stream_width(rows)
     _assign_projection_roles(projections, width, model)
     experts = _expert_owners(rows)
+    _mark_routers(projections, rows, experts)
     weights = []
     for variable, object_path, owner, _, shape in rows:
         weights.append(_weight(variable, object_path, owner, shape,
                                projections, experts, width, backend))
     return weights
+
+
+def _mark_routers(projections, rows, experts):
+    """A projection beside a bank of experts (the same parent layer) that
+    writes one value per expert, and pairs with nothing, is the router:
+    small, and its logits choose experts, so it is kept whole (DTensor's
+    TopK cannot choose over a split experts dimension)."""
+    banks = {}  # id(parent of an expert bank) -> its number of experts
+    for _, _, owner, parent, _ in rows:
+        if owner is not None and id(owner) in experts and parent is not None:
+            banks[id(parent)] = experts[id(owner)]
+    for proj in projections.values():
+        if (proj.role == auto.COLUMN and not proj.partners
+                and banks.get(id(proj.parent)) == proj.out_size):
+            proj.role = ROUTER
 
 
 def _itemsize(dtype):
@@ -218,8 +235,13 @@ def _ambiguous_role(proj, decided, reads, by_layer, last):
         upstream = _upstream(proj, by_layer)
         if upstream is None:  # no graph: the previous one in its layer
             upstream = [] if last is None else [last]
+            if last is not None and last.role == auto.HEADS:
+                # Attention's heads merged into features (Falcon's output
+                # Dense): the query's width, whichever head came last.
+                upstream += [p for p in decided if p.role == auto.HEADS
+                             and p.parent is last.parent]
     follows_column = any(
-        up.role == auto.COLUMN and up.out_size == proj.in_size
+        up.role in (auto.COLUMN, auto.HEADS) and up.out_size == proj.in_size
         for up in upstream)
     return auto.ROW if follows_column else auto.COLUMN
 
@@ -248,19 +270,26 @@ def _upstream(proj, by_layer):
 
 def _pair(projections):
     """Record, in each parent layer, which row projection each column one
-    feeds (the next row reading as many features as it writes)."""
+    feeds (the next row reading as many features as it writes), and which
+    the heads feed (an attention output by heads, or a row projection
+    reading the heads merged into features)."""
     by_parent = collections.defaultdict(list)
     for proj in projections.values():
         by_parent[id(proj.parent)].append(proj)
     for group in by_parent.values():
         for proj in group:
             proj.group = group
+        merged = max((p.out_size for p in group if p.role == auto.HEADS),
+                     default=None)  # the heads' width, merged into features
         for i, proj in enumerate(group):
             if proj.role not in (auto.COLUMN, auto.HEADS):
                 continue
-            wanted = auto.ROW if proj.role == auto.COLUMN else auto.HEADS_OUT
             for later in group[i + 1:]:
-                if later.role == wanted and _feeds(proj, later):
+                if (later.role == auto.ROW and (
+                        _feeds(proj, later) if proj.role == auto.COLUMN
+                        else later.in_size == merged)) or (
+                        later.role == auto.HEADS_OUT
+                        and proj.role == auto.HEADS and _feeds(proj, later)):
                     proj.partners.append(later)
                     later.partners.append(proj)
                     break
@@ -305,6 +334,8 @@ def _weight(variable, path, owner, shape, projections, experts, width,
     if rank == 0:
         return make(auto.WHOLE, detail="a scalar")
     proj = projections.get(path)
+    if proj is not None and proj.role == ROUTER:
+        return make(auto.WHOLE, detail=f"{_name(proj)}, the experts' router")
     if proj is not None:
         return _projection_weight(proj, make)
     kernel = _kernel_of(owner, variable, path, projections)
@@ -337,14 +368,24 @@ def _weight(variable, path, owner, shape, projections, experts, width,
                         + [(d, "features") for d in other],
                         detail=f"beside {owner.name}'s embeddings")
     if owner is not None and id(owner) in experts and rank >= 3:
-        dims = [(0, "experts")]
+        # TensorFlow: DTensor's OneHot cannot make the routing's experts
+        # dimension split, so each expert is split inside instead.
+        dims = [] if tf else [(0, "experts")]
         if width is not None and shape[1] == width:
             dims.append((rank - 1, "outputs"))
         elif width is not None and shape[-1] == width:
             dims.append((1, "inputs"))
-        return make(auto.EXPERTS, dims,
-                    detail=f"layer {owner.name!r}")
+        return make(auto.EXPERTS, dims, detail=f"layer {owner.name!r}" + (
+            " (TensorFlow's DTensor cannot route tokens to split experts)"
+            if tf else ""))
     order = sorted(range(rank), key=lambda d: (-shape[d], d))
+    if tf:
+        # A table read by slicing its rows (positions): DTensor cannot
+        # slice, nor take the gradient of a slice, along a split dimension.
+        return make(auto.OTHER, [(d, f"dimension {d}") for d in order if d],
+                    data_ok=False, detail=(
+                        f"{owner.name if owner is not None else path}; "
+                        "TensorFlow: its first dimension whole"))
     return make(auto.OTHER, [(d, f"dimension {d}") for d in order],
                 detail=f"{owner.name if owner is not None else path}")
 

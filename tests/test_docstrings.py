@@ -8,8 +8,7 @@ import pytest
 MODULES = ["mesh", "layout", "layout_map", "distributions", "data", "optimizers",
            "metrics", "placement", "processes", "initializers", "strict",
            "keras_classes", "fsdp", "visualize", "zero", "same_value",
-           "one_writer", "save_handshake", "auto_plan", "weight_roles",
-           "projection_inputs"]
+           "one_writer", "save_handshake"]
 
 
 @pytest.mark.sharding

@@ -14,7 +14,9 @@ mesh.
   needs communication is not supported yet"); under `klm.fsdp`, DTensor's
   ArgMax refused the greedy sampler's logits.
 - `ops.argmax` / `ops.argmin` on a mesh give one device's index (the first
-  on a tie, -0.0 below 0.0, infinities), eagerly and in a `tf.function`.
+  on a tie, -0.0 below 0.0, infinities), eagerly and in a `tf.function`;
+  `ops.top_k` its indices and values (an infinity as the largest finite
+  value).
 """
 
 import keras
@@ -125,7 +127,7 @@ def test_generate_one_prompt_per_shard_equals_one_device(distribution, rows):
     assert (got[~mask] != 0).any()  # it generated
 
 
-def test_argmax_and_argmin_on_a_mesh_give_one_devices_index():
+def test_argmax_argmin_and_top_k_on_a_mesh_give_one_devices_results():
     mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 4, size=(DEVICES, 6)).astype("float32")  # ties
@@ -151,3 +153,10 @@ def test_argmax_and_argmin_on_a_mesh_give_one_devices_index():
                     got = keras.ops.convert_to_numpy(traced(placed))
                 np.testing.assert_array_equal(
                     got, np.expand_dims(want, axis), f"{name} {layout} traced")
+        want = [keras.ops.convert_to_numpy(t) for t in keras.ops.top_k(x, 3)]
+        got = [keras.ops.convert_to_numpy(t)
+               for t in keras.ops.top_k(placed, 3)]
+        np.testing.assert_array_equal(got[1], want[1], f"top_k {layout}")
+        big = np.finfo("float32").max
+        np.testing.assert_array_equal(got[0], np.clip(want[0], -big, big),
+                                      f"top_k {layout}")

@@ -126,6 +126,8 @@ def install():
     # ... the greedy sampler's argmax of logits laid out unlike its output.
     keras_tf.numpy.argmax = arg_reductions.wrap_argmax(keras_tf.numpy.argmax)
     keras_tf.numpy.argmin = arg_reductions.wrap_argmin(keras_tf.numpy.argmin)
+    # ... and a mixture of experts' router's top_k.
+    keras_tf.math.top_k = arg_reductions.wrap_top_k(keras_tf.math.top_k)
     # ... and attention's einsums, which Keras rewrites into transposes
     # DTensor cannot lay out (the KV cache against a split query).
     keras_tf.numpy.einsum = einsum.wrap_einsum(keras_tf.numpy.einsum)

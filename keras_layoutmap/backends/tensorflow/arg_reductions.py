@@ -1,4 +1,4 @@
-"""`ops.argmax` and `ops.argmin` on DTensors.
+"""`ops.argmax`, `ops.argmin` and `ops.top_k` on DTensors.
 
 DTensor's SPMD rule for `tf.ArgMax` (and `ArgMin`) keeps its operand's
 rows as they are and does not slice them when the layout propagated onto
@@ -15,6 +15,14 @@ the axis' size where the input is not the extreme). That is the index
 (below 0.0) kept; infinities count as the largest finite values. One
 difference: a row holding NaN gives index 0 (TensorFlow's ArgMax passes
 over NaN on one device).
+
+DTensor's TopKV2 has the same fault (a mixture of experts' router: "Expected
+shape: <128,2> got shape: <32,2>"), so on a mesh `top_k` is k rounds of the
+same: the largest value, its first position, then that position set to
+the bottom of the finite range and left out of the positions to come.
+Indices and order are `tf.math.top_k`'s (the lower index first on a tie),
+and so are the values, but that an infinity comes back as the largest
+finite value.
 """
 
 import functools
@@ -49,6 +57,46 @@ def _first_extreme(x, axis, keepdims, largest):
                           axis=axis, keepdims=keepdims)
     # A row holding NaN gives NaN here: index 0.
     return tf.clip_by_value(tf.cast(first, tf.int32), 0, size - 1)
+
+
+def _top_k(x, k):
+    dtype = x.dtype
+    x = tf.cast(x, tf.float32 if dtype.is_floating and dtype.size < 4 else
+                dtype if dtype.is_floating else tf.float64)
+    big = np.finfo(x.dtype.as_numpy_dtype).max
+    x = tf.clip_by_value(x, -big, big)
+    size = tf.cast(tf.shape(x)[-1], x.dtype)
+    positions = tf.range(size)
+    values, indices, excluded = [], [], None
+    for _ in range(k):
+        top = tf.reduce_max(x, axis=-1, keepdims=True)
+        elsewhere = tf.math.sign(top - x)  # 0 where the largest
+        if excluded is not None:  # taken before (a -inf row ties with them)
+            elsewhere = elsewhere + excluded
+        first = tf.reduce_min(positions + elsewhere * size, axis=-1,
+                              keepdims=True)
+        values.append(top)
+        indices.append(first)
+        taken = 1.0 - tf.math.sign(tf.math.abs(positions - first))
+        excluded = taken if excluded is None else excluded + taken
+        x = x * (1.0 - taken) - taken * big
+    values = tf.cast(tf.concat(values, axis=-1), dtype)
+    return values, tf.cast(tf.concat(indices, axis=-1), tf.int32)
+
+
+def wrap_top_k(original):
+    """Keras' TensorFlow `math.top_k`, from reductions on a mesh."""
+
+    @functools.wraps(original)
+    def top_k(x, k, sorted=True):
+        if not runs_on_mesh(x) or not isinstance(k, int):
+            return original(x, k, sorted=sorted)
+        x = tf.convert_to_tensor(x)
+        if x.shape.rank is None or x.shape.rank == 0 or x.dtype.is_complex:
+            return original(x, k, sorted=sorted)
+        return _top_k(x, k)
+
+    return top_k
 
 
 def _wrap(original, largest):

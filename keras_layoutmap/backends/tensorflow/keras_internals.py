@@ -24,6 +24,8 @@ CONVERT_TO_NUMPY_MODULES = modules_holding(
 
 numpy = private("keras.src.backend.tensorflow.ops.numpy",
                 "keras.src.backend.tensorflow.numpy")
+math = private("keras.src.backend.tensorflow.ops.math",
+               "keras.src.backend.tensorflow.math")
 
 distribution_lib = private("keras.src.backend.tensorflow.distribution_lib")
 TFOptimizer = private("keras.src.backend.tensorflow.optimizer:TFOptimizer")
