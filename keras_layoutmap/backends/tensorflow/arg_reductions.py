@@ -88,12 +88,13 @@ def wrap_top_k(original):
     """Keras' TensorFlow `math.top_k`, from reductions on a mesh."""
 
     @functools.wraps(original)
-    def top_k(x, k, sorted=True):
+    def top_k(x, k, sorted=True, **kwargs):
+        # kwargs: Keras 3.16's `is_stable`; these rounds are stable anyway.
         if not runs_on_mesh(x) or not isinstance(k, int):
-            return original(x, k, sorted=sorted)
+            return original(x, k, sorted=sorted, **kwargs)
         x = tf.convert_to_tensor(x)
         if x.shape.rank is None or x.shape.rank == 0 or x.dtype.is_complex:
-            return original(x, k, sorted=sorted)
+            return original(x, k, sorted=sorted, **kwargs)
         return _top_k(x, k)
 
     return top_k
