@@ -89,6 +89,37 @@ def test_a_number_read_from_a_pending_reduction_is_the_whole_value():
     assert int(table[low]) == 13
 
 
+@pytest.mark.parametrize("cache_axes, update_axes, start, expected", [
+    # A whole cache (`ops.zeros`) takes the keys' split of the batch and
+    # the heads at its first update, with no gather of the keys.
+    ((None, None, None, None), ("batch", None, "model", None), (0, 1, 0, 0),
+     ["batch", "unsharded", "model", "unsharded"]),
+    # A cache split over the batch adds the keys' split of the heads.
+    (("batch", None, None, None), ("batch", None, "model", None),
+     (0, 2, 0, 0), ["batch", "unsharded", "model", "unsharded"]),
+    # A dimension written in part (the rows from 1) is whole.
+    (("batch", None, None, None), (None, None, "model", None), (1, 1, 0, 0),
+     ["unsharded", "unsharded", "model", "unsharded"]),
+])
+def test_a_cache_takes_the_split_of_the_keys_written_whole_into_it(
+        cache_axes, update_axes, start, expected):
+    """`ops.slice_update` on DTensors (keras-hub's KV cache): the values
+    equal numpy's, and the result is split where the cache or the update
+    splits a dimension the update covers whole (read from the backend)."""
+    mesh = mp_mesh()
+    rows = mesh.shape[0] * 2
+    rng = np.random.default_rng(0)
+    cache = rng.normal(size=(rows, 6, 2, 3)).astype("float32")
+    update = rng.normal(size=(rows - start[0], 2, 2, 3)).astype("float32")
+    got = keras.ops.slice_update(
+        klm.distribute(cache, klm.Layout(cache_axes, mesh)), start,
+        klm.distribute(update, klm.Layout(update_axes, mesh)))
+    want = cache.copy()
+    want[start[0]:, start[1]:start[1] + 2] = update
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), want)
+    assert klm.fetch_layout(got).sharding_specs == expected
+
+
 def test_mixed_prompt_lengths_stop_tokens_equals_one_device():
     """With stop tokens the loop's condition is read from a reduction over
     the batch too: every process must stop at the same step."""
