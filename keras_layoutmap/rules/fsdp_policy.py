@@ -17,8 +17,9 @@ from keras import distribution as keras_distribution
 
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import as_mesh
+from keras_layoutmap.rules.choice import Choice
 from keras_layoutmap.rules.config import DEFAULT_MAX_REPLICATED_BYTES
-from keras_layoutmap.rules.rule_map import Choice, RuleMap
+from keras_layoutmap.rules.rule_map import RuleMap
 
 DEFAULT_MIN_BYTES = 1 << 16  # 64 KiB: biases and norms stay replicated
 

@@ -19,7 +19,7 @@ from keras_layoutmap import paths
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.mesh import as_mesh
 from keras_layoutmap.rules import quantized
-from keras_layoutmap.rules.rule_map import Choice
+from keras_layoutmap.rules.choice import Choice
 
 # The layer (and weight name) whose `add_weight` is running: the one piece
 # of context that lets a distribution name a weight by its object path.

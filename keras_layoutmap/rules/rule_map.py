@@ -2,10 +2,10 @@
 
 The mapping at the heart of a `klm.LayoutMap`: adding a rule (checked
 against its mesh), looking a weight up by its keys, and choosing the layout
-that fits a weight's shape (`Choice`). Rules as data live in `rules.config`.
+that fits a weight's shape (a `rules.choice.Choice`). Rules as data live
+in `rules.config`.
 """
 
-import dataclasses
 import json
 import re
 
@@ -21,30 +21,9 @@ from keras_layoutmap.layout import (
 )
 from keras_layoutmap.mesh import Mesh, as_mesh
 from keras_layoutmap.rules import config
+from keras_layoutmap.rules.choice import Choice
 from keras_layoutmap.rules.config import DEFAULT_MAX_REPLICATED_BYTES
 from keras_layoutmap.rules.matching import Matcher
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """How a rule placed one weight.
-
-    `rule` is the rule that matched (None: no rule, replicated); `layout`
-    the layout given; for a rule with fallbacks, `index` is which of its
-    `count` layouts (0-based) placed the weight and `refused` holds
-    `(layout, reason)` for each earlier one. `index` is None for a rule
-    with one layout. `follows` names the kernel a variable that
-    quantization added follows (None for any other weight).
-    """
-
-    rule: object
-    layout: object
-    index: object = None
-    count: int = 1
-    refused: tuple = ()
-    # For a variable that quantization added (a scale, an amax history):
-    # the weight it follows, named by its object path (see rules.quantized).
-    follows: object = None
 
 
 class RuleMap(keras_distribution.LayoutMap):
