@@ -160,3 +160,39 @@ def test_argmax_argmin_and_top_k_on_a_mesh_give_one_devices_results():
         big = np.finfo("float32").max
         np.testing.assert_array_equal(got[0], np.clip(want[0], -big, big),
                                       f"top_k {layout}")
+
+
+@pytest.mark.parametrize("cache_axes, start, rows, update_split", [
+    # A KV cache's write: the batch and the heads whole, the update split
+    # like the cache, or whole on every device.
+    (["batch", None, "model", None], (0, 2, 0, 0), None, True),
+    (["batch", None, "model", None], (0, 2, 0, 0), None, False),
+    # Past the end: XLA clips the start to 4.
+    (["batch", None, "model", None], (0, 5, 0, 0), None, True),
+    # Rows 1 and 2 only, of a cache split over the heads.
+    ([None, None, "model", None], (1, 2, 0, 0), 2, False),
+])
+def test_slice_update_on_a_mesh_equals_one_device(cache_axes, start, rows,
+                                                  update_split):
+    """`ops.slice_update` of a cache on a mesh
+    (`backends/tensorflow/slice_updates.py`), eagerly and in a
+    `tf.function`, equals one device's dynamic-update-slice."""
+    import tensorflow as tf
+
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+    rng = np.random.default_rng(0)
+    cache = rng.normal(size=(DEVICES // 2 * 2, 6, 2, 3)).astype("float32")
+    update = rng.normal(size=(rows or cache.shape[0], 2, 2, 3)).astype(
+        "float32")
+    want = keras.ops.convert_to_numpy(
+        keras.ops.slice_update(cache, start, update))
+    placed = klm.distribute(cache, klm.Layout(cache_axes, mesh))
+    new = klm.distribute(update, klm.Layout(
+        cache_axes if update_split else [None] * 4, mesh))
+    for given in (new, update):  # a DTensor, a plain array
+        got = keras.ops.slice_update(placed, start, given)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), want)
+    with model_parallel().scope():
+        traced = tf.function(lambda c, u: keras.ops.slice_update(c, start, u))
+        got = traced(placed, new)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), want)

@@ -16,7 +16,8 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 multi-client), `keras_distribution` (what `keras.distribution` asks of
 the backend: every process's devices), `slice_updates` / `einsum` /
 `arg_reductions` (keras-hub's `generate()` on a mesh), `quantized_matmul` /
-`quantized_lookup` / `quantized_float8` (quantized layers on a mesh). This
+`quantized_lookup` / `quantized_float8` (quantized layers on a mesh),
+`eager_ops` (Keras ops DTensor refuses eagerly run whole). This
 module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
@@ -27,6 +28,7 @@ import keras
 
 from keras_layoutmap.backends.tensorflow import (
     arg_reductions,
+    eager_ops,
     einsum,
     export,
     gather,
@@ -143,6 +145,10 @@ def install():
             quantized_float8.wrap_quantize_and_dequantize(
                 module.quantize_and_dequantize))
     Model.__call__ = training.wrap_model_call(Model.__call__)
+    # Eager ops DTensor refuses: plain operands, then every operand, whole.
+    eager_ops.install(
+        (keras_tf.numpy, keras_tf.math, keras_tf.nn, keras_tf.linalg),
+        keras_tf.core)
 
     # FSDP: weights sharded over the data axis gathered while a model computes.
     Variable.value = gather.wrap_value(Variable.value)

@@ -26,6 +26,10 @@ numpy = private("keras.src.backend.tensorflow.ops.numpy",
                 "keras.src.backend.tensorflow.numpy")
 math = private("keras.src.backend.tensorflow.ops.math",
                "keras.src.backend.tensorflow.math")
+nn = private("keras.src.backend.tensorflow.ops.nn",
+             "keras.src.backend.tensorflow.nn")
+linalg = private("keras.src.backend.tensorflow.ops.linalg",
+                 "keras.src.backend.tensorflow.linalg")
 
 distribution_lib = private("keras.src.backend.tensorflow.distribution_lib")
 TFOptimizer = private("keras.src.backend.tensorflow.optimizer:TFOptimizer")

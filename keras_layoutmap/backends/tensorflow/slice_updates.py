@@ -9,16 +9,25 @@ ops DTensor lays out: along each dimension, the positions the update covers
 (`start <= i < start + size`) select `updates` gathered to the input's
 shape, and `tf.where` keeps the input elsewhere. The result is exactly the
 dynamic-update-slice's (indices clipped as XLA clips them), with the
-input's layout. Inside a `tf.function` a symbolic tensor does not say
-whether it is a DTensor: there every call under a mesh distribution takes
-this path (the same numbers on any tensor).
+input's layout. (Every dimension is gathered, also one the update covers
+whole: with those gathers left out, `generate()` wrote wrong tokens on a
+mesh, with no error.) Inside a
+`tf.function` a symbolic tensor does not say whether it is a DTensor:
+there every call under a mesh distribution takes this path (the same
+numbers on any tensor). Eagerly, a plain input or update joins the other's
+mesh, whole on every device.
 """
 
 import functools
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
-from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
+from keras_layoutmap.backends.tensorflow.placement import (
+    is_dtensor,
+    mesh_of,
+    runs_on_mesh,
+)
 
 
 def _by_mask(inputs, start_indices, updates):
@@ -41,6 +50,21 @@ def _by_mask(inputs, start_indices, updates):
     return tf.where(mask, updates, inputs)
 
 
+def _like_inputs(updates, inputs):
+    """`updates` laid out as `inputs` along the axes it covers whole, and
+    whole along the others: DTensor gathers the update along an axis only
+    if the other axes are split alike in it and in the result (which has
+    the input's layout). Eagerly only (the layouts are known)."""
+    layout = dtensor.fetch_layout(inputs)
+    specs = [spec if updates.shape[axis] == n else dtensor.UNSHARDED
+             for axis, (spec, n) in enumerate(
+                 zip(layout.sharding_specs, inputs.shape))]
+    target = dtensor.Layout(specs, layout.mesh)
+    if dtensor.fetch_layout(updates) == target:
+        return updates
+    return dtensor.relayout(updates, target)
+
+
 def wrap_slice_update(original):
     """Keras' `slice_update`, by mask and gather where a tensor is a DTensor."""
 
@@ -49,10 +73,20 @@ def wrap_slice_update(original):
         if not runs_on_mesh(inputs, updates):
             return original(inputs, start_indices, updates)
         inputs = tf.convert_to_tensor(inputs)
+        updates = tf.convert_to_tensor(updates)
+        if tf.executing_eagerly():
+            # One of the two may be a plain tensor: DTensor's ops refuse a
+            # mix, so it joins the other's mesh, whole on every device.
+            mesh = mesh_of(inputs) or mesh_of(updates)
+            inputs, updates = (
+                x if is_dtensor(x) else dtensor.copy_to_mesh(
+                    x, dtensor.Layout.replicated(mesh, x.shape.rank))
+                for x in (inputs, updates))
+            updates = _like_inputs(updates, inputs)
         if isinstance(start_indices, (list, tuple)):
             start_indices = [tf.convert_to_tensor(s) for s in start_indices]
         else:
             start_indices = tf.unstack(tf.convert_to_tensor(start_indices))
-        return _by_mask(inputs, start_indices, tf.convert_to_tensor(updates))
+        return _by_mask(inputs, start_indices, updates)
 
     return slice_update

@@ -1,0 +1,185 @@
+"""Keras ops called eagerly on DTensors: what DTensor refuses runs whole.
+
+An eager TensorFlow op with a DTensor input runs on DTensor's device, which
+
+- refuses every other input that is not a DTensor or a scalar ("got a
+  regular tensor for input 1 ... but was expecting a DTensor"): so
+  `keras.ops.add(y, labels)` with `y` a model's output on a mesh and
+  `labels` a numpy array failed with that raw error, while JAX computes it
+  and torch counts the plain tensor as replicated;
+- has no rule for some ops on split tensors (`ops.split`, `ops.tile`,
+  `ops.pad`, `ops.flip`, `ops.cumprod`, `ops.triu`, a strided slice, ...:
+  "Spliting over sharded dimension is not supported", "Trying to copy a
+  non-single-device and non-replicated DTensor").
+
+Here a Keras op that DTensor refuses eagerly runs again: first with its
+plain operands (numpy arrays, tensors of rank 1 or more) copied to its
+DTensor operand's mesh, whole on every device (they must then hold the
+same value on every process, as on torch: the global labels, a constant);
+then, if DTensor still refuses, on plain tensors (each DTensor operand
+gathered), its result copied to the mesh whole on every device: the
+numbers are one device's. An op DTensor refuses
+has not run, and an op that runs costs no check. Losses and mean metrics
+subtract with TensorFlow's operators, which no Keras op wraps: their plain
+labels join the mesh before they run.
+
+Inside a `tf.function` nothing changes: there DTensor's rule is that a
+function's inputs are all DTensors or none (see docs/porting.md), and an op
+it has no rule for is an error `fit` explains (`training`).
+"""
+
+import functools
+import inspect
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_layoutmap.backends.tensorflow.keras_internals import Variable
+from keras_layoutmap.backends.tensorflow.placement import is_dtensor, to_host
+
+REFUSAL = "but was expecting a DTensor"  # DTensor's message, eagerly
+# ... and the words of its refusals of an op's layouts.
+REFUSALS = (REFUSAL, "DTensor", "SPMD", "sharded", "sharding")
+
+
+def _mesh(value):
+    """The `dtensor.Mesh` of `value` if it is a DTensor (or a Keras
+    variable holding one), else None."""
+    if isinstance(value, Variable):
+        value = getattr(value, "_value", None)
+    if not (tf.is_tensor(value) or isinstance(value, tf.Variable)):
+        return None
+    if not is_dtensor(value):
+        return None
+    return dtensor.fetch_layout(value).mesh
+
+
+def _operands(args, kwargs):
+    """The arguments and the items of argument lists (`concatenate`'s)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _plain(value):
+    """Whether DTensor refuses `value` next to a DTensor: a numpy array or
+    an eager tensor of rank 1 or more that is not a DTensor."""
+    if isinstance(value, np.ndarray):
+        return value.ndim > 0
+    return (isinstance(value, tf.Tensor) and value.shape.rank not in (0, None)
+            and not is_dtensor(value))
+
+
+def _on_mesh(value, mesh):
+    if isinstance(value, (list, tuple)) and any(_plain(v) for v in value):
+        return type(value)(_on_mesh(v, mesh) for v in value)
+    if not _plain(value):
+        return value
+    value = tf.convert_to_tensor(value)
+    return dtensor.copy_to_mesh(
+        value, dtensor.Layout.replicated(mesh, value.shape.rank))
+
+
+def _host(value):
+    """`value` (a DTensor, a Keras variable holding one) as one plain
+    tensor (every process takes part in a split one's gather); anything
+    else as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host(v) for v in value)
+    if isinstance(value, Variable):
+        value = value.value
+    return to_host(value)
+
+
+def _replicated(value, mesh):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replicated(v, mesh) for v in value)
+    if not tf.is_tensor(value) or is_dtensor(value):
+        return value
+    return dtensor.copy_to_mesh(
+        value, dtensor.Layout.replicated(mesh, value.shape.rank))
+
+
+def _refused(error):
+    """Whether `error` is DTensor's refusal of an op's operands or layouts."""
+    return isinstance(error, (tf.errors.UnimplementedError,
+                              tf.errors.UnknownError,
+                              tf.errors.InvalidArgumentError)) and any(
+        word in str(error) for word in REFUSALS)
+
+
+def wrap_op(original):
+    """`original` (a Keras backend op) which, when DTensor refuses it
+    eagerly, runs again with its plain operands on the mesh of its DTensor
+    operand, then with every operand whole on that mesh."""
+
+    @functools.wraps(original)
+    def op(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except tf.errors.OpError as e:
+            if not (tf.executing_eagerly() and _refused(e)):
+                raise
+            mesh = next((m for m in map(_mesh, _operands(args, kwargs))
+                         if m is not None), None)
+            if mesh is None:
+                raise
+            plain_only = REFUSAL in str(e)
+        if plain_only:
+            try:
+                return original(*(_on_mesh(a, mesh) for a in args),
+                                **{k: _on_mesh(v, mesh)
+                                   for k, v in kwargs.items()})
+            except tf.errors.OpError as e:
+                if not _refused(e):
+                    raise
+        out = original(*(_host(a) for a in args),
+                       **{k: _host(v) for k, v in kwargs.items()})
+        return _replicated(out, mesh)
+
+    op._klm_eager_ops = True
+    return op
+
+
+def wrap_targets(original):
+    """`original` (a loss's `__call__`, a metric's `update_state`) with
+    plain operands copied to the mesh of a DTensor operand before it runs,
+    eagerly: a loss subtracts with TensorFlow's operators, which no Keras
+    op wraps."""
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        if tf.executing_eagerly():
+            operands = list(_operands(args, kwargs))
+            mesh = next((m for m in map(_mesh, operands) if m is not None),
+                        None)
+            if mesh is not None:
+                args = tuple(_on_mesh(a, mesh) for a in args)
+                kwargs = {k: _on_mesh(v, mesh) for k, v in kwargs.items()}
+        return original(*args, **kwargs)
+
+    return call
+
+
+def install(modules, core, core_names=("scatter", "scatter_update")):
+    """Wrap every public function defined in each of `modules` (Keras'
+    TensorFlow `numpy`, `math`, `nn`, `linalg` ops) and `core_names` of
+    `core`; and the losses' `__call__` and the mean metrics'
+    `update_state` (labels against predictions)."""
+    import keras
+
+    keras.losses.Loss.__call__ = wrap_targets(keras.losses.Loss.__call__)
+    MeanMetricWrapper = keras.metrics.MeanMetricWrapper
+    MeanMetricWrapper.update_state = wrap_targets(
+        MeanMetricWrapper.update_state)
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if (not name.startswith("_") and inspect.isfunction(value)
+                    and value.__module__ == module.__name__
+                    and not getattr(value, "_klm_eager_ops", False)):
+                setattr(module, name, wrap_op(value))
+    for name in core_names:
+        setattr(core, name, wrap_op(getattr(core, name)))
