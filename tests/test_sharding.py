@@ -234,6 +234,63 @@ def test_distribute_pack_unpack_copy_to_mesh(mesh):
         np.testing.assert_array_equal(np.asarray(part), block)
 
 
+def _metric_result(metric, y_true, y_pred):
+    metric.update_state(y_true, y_pred)
+    return metric.result()
+
+
+OPS_WITH_A_PLAIN_OPERAND = {
+    "add": lambda x, p: keras.ops.add(x, p),
+    "where": lambda x, p: keras.ops.where(p > 0, x, p),
+    "matmul": lambda x, p: keras.ops.matmul(x, keras.ops.transpose(p)),
+    "einsum": lambda x, p: keras.ops.einsum("ij,kj->ik", x, p),
+    "concatenate": lambda x, p: keras.ops.concatenate([x, p], axis=0),
+    "stack": lambda x, p: keras.ops.stack([p, x]),
+    "take": lambda x, p: keras.ops.take(x, np.array([0, 2]), axis=0),
+    "loss": lambda x, p: keras.losses.MeanSquaredError()(p, x),
+    "metric": lambda x, p: _metric_result(keras.metrics.MeanAbsoluteError(),
+                                          p, x),
+    "scatter_update": lambda x, p: keras.ops.scatter_update(
+        x, np.array([[0, 1]]), np.array([5.0], "float32")),
+    # No plain operand: ops TensorFlow's DTensor has no rule for on split
+    # tensors ("Spliting over sharded dimension is not supported", ...).
+    "split": lambda x, p: keras.ops.split(x, 2, axis=0)[1],
+    "tile": lambda x, p: keras.ops.tile(x, (2, 1)),
+    "pad": lambda x, p: keras.ops.pad(x, ((1, 1), (0, 2))),
+    "flip": lambda x, p: keras.ops.flip(x, axis=0),
+    "cumprod": lambda x, p: keras.ops.cumprod(x, axis=1),
+    "triu": lambda x, p: keras.ops.triu(x),
+    # ... and ops torch's DTensor has no rule for (no sharding strategy, an
+    # in-place change of placement).
+    "segment_sum": lambda x, p: keras.ops.segment_sum(
+        x, np.array([0, 0, 1, 1, 2, 2, 3, 3]), num_segments=4),
+    "searchsorted": lambda x, p: keras.ops.searchsorted(
+        np.arange(6, dtype="float32"), keras.ops.reshape(x, (-1,))),
+    "bincount": lambda x, p: keras.ops.bincount(keras.ops.reshape(
+        keras.ops.cast(keras.ops.abs(x) * 2, "int32"), (-1,)), minlength=8),
+    "argpartition": lambda x, p: keras.ops.sort(
+        keras.ops.argpartition(x, 2, axis=-1)[:, :2], axis=-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS_WITH_A_PLAIN_OPERAND))
+def test_eager_ops_on_a_mesh_tensor_equal_one_device(mesh, name):
+    """Keras ops called eagerly on a tensor on the mesh, some with a numpy
+    array (labels, a mask, indices), give one device's numbers on every
+    backend (TensorFlow's DTensor refused the array and the layouts of
+    `split` to `triu` before `backends/tensorflow/eager_ops.py`; torch's
+    refused the last four and `scatter_update` before
+    `backends/torch/whole_fallbacks.py`)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    plain = rng.normal(size=(8, 6)).astype("float32")
+    op = OPS_WITH_A_PLAIN_OPERAND[name]
+    want = keras.ops.convert_to_numpy(op(x, plain))
+    placed = klm.distribute(x, klm.Layout(["batch", "model"], mesh))
+    got = keras.ops.convert_to_numpy(op(placed, plain))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_data_errors(mesh):
     layout = klm.Layout(["batch", None], mesh)
     rows = B + 1  # not a multiple of the batch axis

@@ -28,6 +28,7 @@ from keras_layoutmap.backends.torch import (
     training,
     variables,
     whole_batch,
+    whole_fallbacks,
 )
 from keras_layoutmap.backends.torch import keras_internals as keras_torch
 from keras_layoutmap.backends.torch.placement import (  # noqa: F401
@@ -150,3 +151,8 @@ def install():
     Variable.value = whole_batch.wrap_value(Variable.value)
     for layer in (keras.layers.Dense, keras.layers.EinsumDense):
         layer.call = whole_batch.wrap_layer_call(layer.call)
+    # Keras ops DTensor refuses (no rule, an in-place placement change) run
+    # on whole tensors.
+    whole_fallbacks.install(
+        (keras_torch.numpy, keras_torch.math, keras_torch.nn,
+         keras_torch.linalg), keras_torch.core)

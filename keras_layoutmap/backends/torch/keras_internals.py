@@ -36,6 +36,9 @@ CONVERT_TO_NUMPY_MODULES = modules_holding(
 # the module: `backend.nn.conv` on 3.15, `backend.ops.nn.conv` on 3.16).
 nn = private("keras.src.backend.torch.ops.nn", "keras.src.backend.torch.nn")
 numpy = private("keras.src.backend.torch.ops.numpy", "keras.src.backend.torch.numpy")
+math = private("keras.src.backend.torch.ops.math", "keras.src.backend.torch.math")
+linalg = private("keras.src.backend.torch.ops.linalg",
+                 "keras.src.backend.torch.linalg")
 NN_FUNCTIONS = ("dot_product_attention", "conv", "depthwise_conv",
                 "separable_conv", "conv_transpose")
 for _name in NN_FUNCTIONS:
