@@ -268,6 +268,7 @@ OPS_WITH_A_PLAIN_OPERAND = {
         np.arange(6, dtype="float32"), keras.ops.reshape(x, (-1,))),
     "bincount": lambda x, p: keras.ops.bincount(keras.ops.reshape(
         keras.ops.cast(keras.ops.abs(x) * 2, "int32"), (-1,)), minlength=8),
+    "rms_normalization": lambda x, p: keras.ops.rms_normalization(x),
     "argpartition": lambda x, p: keras.ops.sort(
         keras.ops.argpartition(x, 2, axis=-1)[:, :2], axis=-1),
 }
@@ -279,7 +280,7 @@ def test_eager_ops_on_a_mesh_tensor_equal_one_device(mesh, name):
     array (labels, a mask, indices), give one device's numbers on every
     backend (TensorFlow's DTensor refused the array and the layouts of
     `split` to `triu` before `backends/tensorflow/eager_ops.py`; torch's
-    refused the last four and `scatter_update` before
+    refused the last five and `scatter_update` before
     `backends/torch/whole_fallbacks.py`)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 6)).astype("float32")

@@ -156,3 +156,5 @@ def install():
     whole_fallbacks.install(
         (keras_torch.numpy, keras_torch.math, keras_torch.nn,
          keras_torch.linalg), keras_torch.core)
+    keras_torch.ops_nn._rms_normalization = whole_fallbacks.wrap_op(
+        keras_torch.ops_nn._rms_normalization)

@@ -37,6 +37,10 @@ CONVERT_TO_NUMPY_MODULES = modules_holding(
 nn = private("keras.src.backend.torch.ops.nn", "keras.src.backend.torch.nn")
 numpy = private("keras.src.backend.torch.ops.numpy", "keras.src.backend.torch.numpy")
 math = private("keras.src.backend.torch.ops.math", "keras.src.backend.torch.math")
+# `ops.rms_normalization` runs torch's `F.rms_norm` from here, not from
+# the backend's `nn`.
+ops_nn = private("keras.src.ops.nn")
+private("keras.src.ops.nn:_rms_normalization")
 linalg = private("keras.src.backend.torch.ops.linalg",
                  "keras.src.backend.torch.linalg")
 NN_FUNCTIONS = ("dot_product_attention", "conv", "depthwise_conv",

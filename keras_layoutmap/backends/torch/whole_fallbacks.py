@@ -3,7 +3,8 @@
 torch 2.13's DTensor refuses some ops on split tensors: no sharding
 strategy (`ops.segment_sum`'s `scatter_reduce`, `ops.searchsorted`,
 `ops.bincount`), or an in-place op on a value whose placement would change
-(`ops.rms_normalization` over a split axis, `ops.argpartition`'s
+(`ops.rms_normalization` over a split axis, which Keras runs as torch's
+`F.rms_norm`, and so `keras.layers.RMSNormalization`; `ops.argpartition`'s
 `index_put_`). Those failed with DTensor's raw error. Here a Keras op that
 DTensor refuses runs again on whole tensors: each DTensor operand is
 gathered (every process takes part, in the same op, as every process runs
