@@ -36,7 +36,11 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.keras_internals import Variable
-from keras_layoutmap.backends.tensorflow.placement import is_dtensor, to_host
+from keras_layoutmap.backends.tensorflow.placement import (
+    is_dtensor,
+    to_host,
+    value_of,
+)
 
 REFUSAL = "but was expecting a DTensor"  # DTensor's message, eagerly
 # ... and the words of its refusals of an op's layouts.
@@ -89,9 +93,7 @@ def _host(value):
     else as it is."""
     if isinstance(value, (list, tuple)):
         return type(value)(_host(v) for v in value)
-    if isinstance(value, Variable):
-        value = value.value
-    return to_host(value)
+    return to_host(value_of(value))
 
 
 def _replicated(value, mesh):
