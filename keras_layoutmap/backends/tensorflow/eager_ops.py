@@ -29,12 +29,12 @@ it has no rule for is an error `fit` explains (`training`).
 """
 
 import functools
-import inspect
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_layoutmap.backends.keras_ops import wrap_ops
 from keras_layoutmap.backends.tensorflow.keras_internals import Variable
 from keras_layoutmap.backends.tensorflow.placement import (
     is_dtensor,
@@ -142,7 +142,6 @@ def wrap_op(original):
                        **{k: _host(v) for k, v in kwargs.items()})
         return _replicated(out, mesh)
 
-    op._klm_eager_ops = True
     return op
 
 
@@ -166,22 +165,15 @@ def wrap_targets(original):
     return call
 
 
-def install(modules, core, core_names=("scatter", "scatter_update")):
+def install(modules, core):
     """Wrap every public function defined in each of `modules` (Keras'
-    TensorFlow `numpy`, `math`, `nn`, `linalg` ops) and `core_names` of
-    `core`; and the losses' `__call__` and the mean metrics'
-    `update_state` (labels against predictions)."""
+    TensorFlow `numpy`, `math`, `nn`, `linalg` ops) and core's `scatter`
+    ops; and the losses' `__call__` and the mean metrics' `update_state`
+    (labels against predictions)."""
     import keras
 
     keras.losses.Loss.__call__ = wrap_targets(keras.losses.Loss.__call__)
     MeanMetricWrapper = keras.metrics.MeanMetricWrapper
     MeanMetricWrapper.update_state = wrap_targets(
         MeanMetricWrapper.update_state)
-    for module in modules:
-        for name, value in list(vars(module).items()):
-            if (not name.startswith("_") and inspect.isfunction(value)
-                    and value.__module__ == module.__name__
-                    and not getattr(value, "_klm_eager_ops", False)):
-                setattr(module, name, wrap_op(value))
-    for name in core_names:
-        setattr(core, name, wrap_op(getattr(core, name)))
+    wrap_ops(wrap_op, modules, core)

@@ -15,12 +15,12 @@ runs costs nothing more.
 """
 
 import functools
-import inspect
 
 import torch
 from keras import tree
 from torch.distributed.tensor import DTensor, Replicate
 
+from keras_layoutmap.backends.keras_ops import wrap_ops
 from keras_layoutmap.backends.torch.placement import to_host
 
 # The words of DTensor's refusals of an op's placements.
@@ -69,19 +69,10 @@ def wrap_op(original):
                 t, mesh, [Replicate()] * mesh.ndim, run_check=False)
             if torch.is_tensor(t) and not isinstance(t, DTensor) else t, out)
 
-    op._klm_whole_fallback = True
     return op
 
 
-def install(modules, core, core_names=("scatter", "scatter_update")):
+def install(modules, core):
     """Wrap every public function defined in each of `modules` (Keras'
-    torch `numpy`, `math`, `nn`, `linalg` ops) and `core_names` of
-    `core`."""
-    for module in modules:
-        for name, value in list(vars(module).items()):
-            if (not name.startswith("_") and inspect.isfunction(value)
-                    and value.__module__ == module.__name__
-                    and not getattr(value, "_klm_whole_fallback", False)):
-                setattr(module, name, wrap_op(value))
-    for name in core_names:
-        setattr(core, name, wrap_op(getattr(core, name)))
+    torch `numpy`, `math`, `nn`, `linalg` ops) and core's `scatter` ops."""
+    wrap_ops(wrap_op, modules, core)
