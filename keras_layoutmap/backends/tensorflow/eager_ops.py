@@ -18,10 +18,10 @@ DTensor operand's mesh, whole on every device (they must then hold the
 same value on every process, as on torch: the global labels, a constant);
 then, if DTensor still refuses, on plain tensors (each DTensor operand
 gathered), its result copied to the mesh whole on every device: the
-numbers are one device's. An op DTensor refuses
-has not run, and an op that runs costs no check. Losses and mean metrics
-subtract with TensorFlow's operators, which no Keras op wraps: their plain
-labels join the mesh before they run.
+numbers are one device's. An op DTensor refuses has not run, and an op
+that runs costs no check. Losses and mean metrics subtract with
+TensorFlow's operators, which no Keras op wraps: their plain labels join
+the mesh before they run.
 
 Inside a `tf.function` nothing changes: there DTensor's rule is that a
 function's inputs are all DTensors or none (see docs/porting.md), and an op
@@ -116,7 +116,7 @@ def _refused(error):
 def wrap_op(original):
     """`original` (a Keras backend op) which, when DTensor refuses it
     eagerly, runs again with its plain operands on the mesh of its DTensor
-    operand, then with every operand whole on that mesh."""
+    operand, then on plain tensors (its result whole on that mesh)."""
 
     @functools.wraps(original)
     def op(*args, **kwargs):
