@@ -145,7 +145,8 @@ def install():
             quantized_float8.wrap_quantize_and_dequantize(
                 module.quantize_and_dequantize))
     Model.__call__ = training.wrap_model_call(Model.__call__)
-    # Eager ops DTensor refuses: plain operands, then every operand, whole.
+    # Eager ops DTensor refuses: again with plain operands on the mesh, then
+    # on the gathered values.
     eager_ops.install(
         (keras_tf.numpy, keras_tf.math, keras_tf.nn, keras_tf.linalg),
         keras_tf.core)

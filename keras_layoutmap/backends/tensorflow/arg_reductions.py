@@ -33,15 +33,23 @@ import tensorflow as tf
 from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
 
 
+def _widened(x):
+    """`x` as a float of 32 bits or more (integers as float64), clipped to
+    its finite range (inf - inf would be NaN in the gaps below); and the
+    bound of that range."""
+    floating = x.dtype.is_floating
+    x = tf.cast(x, tf.float32 if floating and x.dtype.size < 4 else
+                x.dtype if floating else tf.float64)
+    big = np.finfo(x.dtype.as_numpy_dtype).max
+    return tf.clip_by_value(x, -big, big), big
+
+
 def _first_extreme(x, axis, keepdims, largest):
     # No bool tensor on the way: DTensor moves one between layouts with an
     # all-to-all that refuses bool ("must be tensor of floating-point or
     # 32/64-bit signed integer values"), so the masks are signs.
     floating = x.dtype.is_floating
-    x = tf.cast(x, tf.float32 if floating and x.dtype.size < 4 else
-                x.dtype if floating else tf.float64)
-    big = np.finfo(x.dtype.as_numpy_dtype).max
-    x = tf.clip_by_value(x, -big, big)  # inf - inf would be NaN below
+    x, _ = _widened(x)
     if floating:  # Keras: -0.0 below 0.0 (its flush-to-zero fix)
         negative_zero = tf.nn.relu(-tf.math.sign(tf.math.reciprocal(x))) * (
             1.0 - tf.math.abs(tf.math.sign(x)))
@@ -61,10 +69,7 @@ def _first_extreme(x, axis, keepdims, largest):
 
 def _top_k(x, k):
     dtype = x.dtype
-    x = tf.cast(x, tf.float32 if dtype.is_floating and dtype.size < 4 else
-                dtype if dtype.is_floating else tf.float64)
-    big = np.finfo(x.dtype.as_numpy_dtype).max
-    x = tf.clip_by_value(x, -big, big)
+    x, big = _widened(x)
     size = tf.cast(tf.shape(x)[-1], x.dtype)
     positions = tf.range(size)
     values, indices, excluded = [], [], None

@@ -32,12 +32,12 @@ import functools
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.keras_ops import wrap_ops
-from keras_layoutmap.backends.tensorflow.keras_internals import Variable
 from keras_layoutmap.backends.tensorflow.placement import (
+    copy_whole_to_mesh,
     is_dtensor,
+    mesh_of,
     to_host,
     value_of,
 )
@@ -48,15 +48,10 @@ REFUSALS = (REFUSAL, "DTensor", "SPMD", "sharded", "sharding")
 
 
 def _mesh(value):
-    """The `dtensor.Mesh` of `value` if it is a DTensor (or a Keras
-    variable holding one), else None."""
-    if isinstance(value, Variable):
-        value = getattr(value, "_value", None)
-    if not (tf.is_tensor(value) or isinstance(value, tf.Variable)):
-        return None
-    if not is_dtensor(value):
-        return None
-    return dtensor.fetch_layout(value).mesh
+    """The `dtensor.Mesh` of `value` if it is a DTensor (or a variable
+    holding one), else None. Eagerly only."""
+    value = value_of(value)
+    return mesh_of(value) if tf.is_tensor(value) else None
 
 
 def _operands(args, kwargs):
@@ -80,11 +75,7 @@ def _plain(value):
 def _on_mesh(value, mesh):
     if isinstance(value, (list, tuple)) and any(_plain(v) for v in value):
         return type(value)(_on_mesh(v, mesh) for v in value)
-    if not _plain(value):
-        return value
-    value = tf.convert_to_tensor(value)
-    return dtensor.copy_to_mesh(
-        value, dtensor.Layout.replicated(mesh, value.shape.rank))
+    return copy_whole_to_mesh(value, mesh) if _plain(value) else value
 
 
 def _host(value):
@@ -99,10 +90,7 @@ def _host(value):
 def _replicated(value, mesh):
     if isinstance(value, (list, tuple)):
         return type(value)(_replicated(v, mesh) for v in value)
-    if not tf.is_tensor(value) or is_dtensor(value):
-        return value
-    return dtensor.copy_to_mesh(
-        value, dtensor.Layout.replicated(mesh, value.shape.rank))
+    return copy_whole_to_mesh(value, mesh) if tf.is_tensor(value) else value
 
 
 def _refused(error):

@@ -247,6 +247,16 @@ def mesh_of(x):
     return None if dist is None else to_dmesh(dist.device_mesh)
 
 
+def copy_whole_to_mesh(x, dmesh):
+    """A plain tensor `x` as a DTensor whole on every device of `dmesh` (a
+    `dtensor.Mesh`); a DTensor as it is."""
+    x = tf.convert_to_tensor(x)
+    if is_dtensor(x):
+        return x
+    return dtensor.copy_to_mesh(
+        x, dtensor.Layout.replicated(dmesh, x.shape.rank))
+
+
 def runs_on_mesh(*values):
     """Whether an op on `values` runs on the mesh: eagerly, when one of them
     is a DTensor; inside a `tf.function` (where a symbolic tensor does not

@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import (
-    is_dtensor,
+    copy_whole_to_mesh,
     mesh_of,
     runs_on_mesh,
 )
@@ -78,10 +78,8 @@ def wrap_slice_update(original):
             # One of the two may be a plain tensor: DTensor's ops refuse a
             # mix, so it joins the other's mesh, whole on every device.
             mesh = mesh_of(inputs) or mesh_of(updates)
-            inputs, updates = (
-                x if is_dtensor(x) else dtensor.copy_to_mesh(
-                    x, dtensor.Layout.replicated(mesh, x.shape.rank))
-                for x in (inputs, updates))
+            inputs, updates = (copy_whole_to_mesh(x, mesh)
+                               for x in (inputs, updates))
             updates = _like_inputs(updates, inputs)
         if isinstance(start_indices, (list, tuple)):
             start_indices = [tf.convert_to_tensor(s) for s in start_indices]
