@@ -55,9 +55,11 @@ class Report:
     """What `layout_map.explain(model)` returns: how a plan places a model.
 
     `rows` holds a `WeightRow` per weight; `unused_rules` the rules that
-    match no weight, `shadowed_rules` those that match only weights an
-    earlier rule won; `findings` the strict-mode `Finding`s; `strict`
-    whether the map was strict. `str(report)` (or `render()`) is the table,
+    match no weight and no layer output, `output_rules` those that match
+    only layer outputs (`"<layer path>/output"`: `{rule: [output keys]}`),
+    `shadowed_rules` those that match only weights an earlier rule won;
+    `findings` the strict-mode `Finding`s; `strict` whether the map was
+    strict. `str(report)` (or `render()`) is the table,
     `to_dict()` the same as JSON-ready data, `bytes_per_device` the total.
     `memory` (a `keras_layoutmap.memory.DeviceMemory`) is what each device
     holds: weights, and with `explain(model, optimizer=...)` gradients and
@@ -71,6 +73,8 @@ class Report:
     strict: bool = False  # whether the map was strict
     mesh: object = None
     memory: object = None  # a `klm.memory.DeviceMemory`: bytes per device
+    output_rules: dict = dataclasses.field(default_factory=dict)
+    layout_map: object = dataclasses.field(default=None, repr=False)
 
     @property
     def bytes_per_device(self):
@@ -117,6 +121,11 @@ class Report:
             ],
             "bytes_per_device": self.bytes_per_device,
             "unused_rules": list(self.unused_rules),
+            "output_rules": [
+                {"rule": rule, "layout": self._output_specs(rule),
+                 "outputs": list(keys),
+                 "reason": _reason_of(self.layout_map, rule)}
+                for rule, keys in self.output_rules.items()],
             "shadowed_rules": list(self.shadowed_rules),
             "strict": self.strict,
             "strict_findings": [dataclasses.asdict(f) for f in self.findings],
@@ -161,6 +170,11 @@ class Report:
         console.print(f"total bytes per device: {self.bytes_per_device:,}{devices}")
         if self.memory is not None:
             self.memory.render(console)
+        for rule, keys in self.output_rules.items():
+            why = _reason_of(self.layout_map, rule)
+            console.print(
+                f"layer output rule {rule!r}: {self._output_specs(rule)} for "
+                f"{len(keys)} output(s)" + (f": {why}" if why else ""))
         if self.unused_rules:
             console.print(f"rules matching no weight: {self.unused_rules}")
         if self.shadowed_rules:
@@ -182,6 +196,10 @@ class Report:
 
     def __str__(self):
         return self.render()
+
+    def _output_specs(self, rule):
+        layout = None if self.layout_map is None else self.layout_map[rule]
+        return getattr(layout, "sharding_specs", layout)
 
     def show(self, pattern, *, file=None):
         """Draw the weights whose object path or variable path
@@ -245,7 +263,8 @@ def explain(model, layout_map, optimizer=None, device_memory=None):
             )
         )
     keys = list(layout_map)
-    unused = [k for k in keys if k not in matched]
+    outputs = _output_rules(model, layout_map, matched)
+    unused = [k for k in keys if k not in matched and k not in outputs]
     shadowed = [k for k in keys if k in matched and k not in won]
     usage = memory.estimate(model, rows, layout_map, optimizer, device_memory)
     over = memory.over_budget_finding(usage)
@@ -254,4 +273,21 @@ def explain(model, layout_map, optimizer=None, device_memory=None):
         findings=_findings(rows, unused, layout_map) + (
             [Finding("device_memory", "per_device", over)] if over else []),
         strict=layout_map.strict, mesh=layout_map.device_mesh, memory=usage,
+        output_rules=outputs, layout_map=layout_map,
     )
+
+
+def _output_rules(model, layout_map, weight_rules):
+    """`{rule: [output keys]}` for the rules of `layout_map` that match no
+    weight (`weight_rules` holds those that do) but the key Keras asks the
+    distribution for a layer's output, `"<layer path>/output"` (matched as
+    `ModelParallel.get_tensor_layout` matches it)."""
+    found = {}
+    for layer in model._flatten_layers(include_self=False):
+        key = f"{layer.path}/output"
+        parts = key.split("/")
+        under = "/".join(parts[1:]) if len(parts) >= 3 else None
+        for rule in layout_map.matching_rules(key, under):
+            if rule not in weight_rules:
+                found.setdefault(rule, []).append(key)
+    return {rule: found[rule] for rule in layout_map if rule in found}

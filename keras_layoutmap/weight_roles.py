@@ -236,10 +236,28 @@ def _projection_weight(proj, make):
         # partial sum, as row-parallel), which every backend runs
         # (TensorFlow's DTensor refuses a split head_dim).
         dims = [(proj.outs[0], label), (proj.ins[0], "inputs")]
+        return make(proj.role, dims, detail, output=_heads_output(proj))
     else:  # HEADS_OUT
         detail = f"reads {names}" if names else _name(proj)
         dims = [(proj.ins[0], "heads"), (proj.outs[0], "outputs")]
     return make(proj.role, dims, detail)
+
+
+def _heads_output(proj):
+    """The `rules.auto.LayerOutput` of a heads projection (an
+    `EinsumDense`): its batch is the first letter of both its input and
+    its output; None where the equation does not say (`...`)."""
+    owner = proj.owner
+    equation = getattr(owner, "equation", "")
+    path = getattr(owner, "path", None)
+    if "..." in equation or "->" not in equation or not path:
+        return None
+    left, out = equation.split("->")
+    inputs, kernel = left.split(",")
+    if not inputs or inputs[0] != out[0] or inputs[0] in kernel:
+        return None
+    dims = tuple((i, out.index(c)) for i, c in enumerate(kernel) if c in out)
+    return auto.LayerOutput(f"{path}/output", len(out), 0, dims)
 
 
 def _kernel_of(owner, variable, path, projections):

@@ -569,6 +569,41 @@ def test_keras_hub_llama_parity():
     assert "split inputs instead" in plan.reason(key.rule)
 
 
+@pytest.mark.sharding
+def test_attention_outputs_keep_the_batch_split_on_jax():
+    """On JAX the plan lays out the query, key and value projections'
+    outputs (batch over `batch`, heads over `model`), so that a decoding
+    cache stays split over both axes; `explain` lists those rules, and the
+    key's output has that layout, read from the backend. On TensorFlow and
+    torch the plan has no output rule."""
+    plan = klm.auto_layout_map(llama_lm, mp_mesh())
+    with plan.scope():
+        model = llama_lm()
+    report = plan.explain(model)
+    assert report.unused_rules == []
+    attention = "transformer_layer_0/self_attention"
+    if BACKEND != "jax":
+        assert report.output_rules == {}
+        return
+    assert sorted(report.output_rules) == [
+        f"{attention}/{role}/output" for role in ("key", "query", "value")]
+    layer = model.get_layer("llama_backbone").transformer_layers[0]
+    key_dense = layer._self_attention_layer._key_dense
+    seen = []
+
+    class Spy(type(key_dense)):
+        def __call__(self, *args, **kwargs):
+            out = super().__call__(*args, **kwargs)
+            seen.append(klm.fetch_layout(out))
+            return out
+
+    key_dense.__class__ = Spy
+    tokens = np.ones((8, 4), "int32")
+    with plan.scope():
+        model({"token_ids": tokens, "padding_mask": tokens})
+    assert seen[-1].axes == ("batch", None, "model", None)
+
+
 @pytest.mark.parametrize("name", ["auto_plan", "rules.auto", "weight_roles",
                                   "projection_inputs"])
 def test_docstring_examples(name):

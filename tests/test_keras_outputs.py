@@ -142,6 +142,32 @@ def test_an_output_axis_that_does_not_divide_is_an_error():
             call_on(model, ROWS)
 
 
+@pytest.mark.sharding
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_explain_and_strict_mode_count_an_output_rule_as_used(kind):
+    """An output rule matches no weight: `explain` lists it with the outputs
+    it lays out, not among the rules that match nothing, and a strict map
+    builds the model (it raised `StrictModeError` before)."""
+    lm = klm.LayoutMap(mp_mesh(), strict=True)
+    lm["d1/output"] = ("batch", "model")
+    lm[r".*d1\.kernel"] = (None, "model")
+    with lm.scope():
+        model, _ = build(kind)
+        if kind == "subclassed":
+            call_on(model, ROWS)  # built by its first call
+    lm["nothing/output"] = ("batch", None)
+    report = lm.explain(model)
+    assert report.output_rules == {
+        "d1/output": [{"sequential": "seq/d1/output", "functional":
+                       "d1/output", "subclassed": "sub/d1/output"}[kind]]}
+    assert report.unused_rules == ["nothing/output"]
+    assert "layer output rule 'd1/output': ['batch', 'model'] for 1 " \
+        "output(s)" in report.render(width=200)
+    (listed,) = report.to_dict()["output_rules"]
+    assert listed["rule"] == "d1/output" and listed["layout"] == [
+        "batch", "model"]
+
+
 # -- training and predict with an output rule, equal to one device ----------
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,9 @@ class Weight:
     ffw_linear"). For a bias (`FOLLOWS`), `kernel` is the path of its
     kernel and `kernel_dims` maps each kernel dimension to this weight's
     dimension of the same features. `data_ok` is False for a weight the
-    data axis must not split (TensorFlow's whole conv kernels).
+    data axis must not split (TensorFlow's whole conv kernels). `output`
+    describes the output of a heads kernel's layer (`LayerOutput`), where
+    its equation says which dimension is the batch.
     """
 
     path: str
@@ -60,10 +62,24 @@ class Weight:
     kernel: str = None
     kernel_dims: tuple = ()  # ((kernel_dim, own_dim), ...)
     data_ok: bool = True
+    output: "LayerOutput" = None  # attention heads: the layer's output
 
     @property
     def nbytes(self):
         return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOutput:
+    """The output of the layer that holds an attention heads kernel:
+    `key` is Keras' name for it (`"<layer path>/output"`), `rank` its rank,
+    `batch_dim` its batch dimension, and `dims` maps each kernel dimension
+    it keeps to its own: `((kernel_dim, output_dim), ...)`."""
+
+    key: str
+    rank: int
+    batch_dim: int
+    dims: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +159,47 @@ def plan(weights, sizes, *, model_axis, data_axis=None, device_memory=None):
                   - model_only[i].bytes_per_device(sizes))
         chosen[i] = with_data[i]
     return chosen
+
+
+def output_layouts(weights, placements, *, model_axis, data_axis):
+    """`[(key, specs, reason)]`: layouts for the outputs of attention's
+    projections by heads (their queries, keys and values): the batch over
+    `data_axis`, the heads as their kernel splits them over `model_axis`.
+
+    In training the batch is split over `data_axis` anyway. While a model
+    decodes token by token, JAX's compiler otherwise keeps the batch whole
+    and splits the weights' data-axis dimension: the keys and values a
+    decoding cache keeps would be split over the model axis alone, each
+    device holding and rewriting a `model_axis`-th of the cache, where
+    these layouts leave it one device's share. None without a data axis
+    (nothing else would split the batch).
+
+    Example:
+
+    >>> out = LayerOutput("attn/key/output", 4, 0, ((1, 2), (2, 3)))
+    >>> w = Weight("attn.key.kernel", (64, 8, 16), 4, HEADS, output=out)
+    >>> p = Placement(w.path, w.shape, ("batch", "model", None), "heads")
+    >>> output_layouts([w], [p], model_axis="model", data_axis="batch")[0][1]
+    ('batch', None, 'model', None)
+    """
+    if not data_axis:
+        return []
+    found = []
+    for w, p in zip(weights, placements):
+        out = w.output
+        if out is None or w.role != HEADS:
+            continue
+        specs = [None] * out.rank
+        specs[out.batch_dim] = data_axis
+        heads = ""
+        for kernel_dim, dim in out.dims:
+            if p.specs[kernel_dim] == model_axis:
+                specs[dim] = model_axis
+                heads = f", heads over {model_axis!r}"
+        found.append((out.key, tuple(specs), (
+            f"attention heads' output: batch over {data_axis!r}{heads} (a "
+            "decoding cache of keys and values split over both axes)")))
+    return found
 
 
 def _total(placements, sizes):
