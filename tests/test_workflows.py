@@ -122,11 +122,15 @@ MODEL_RULES = {"d1/kernel": (None, "model"), "d1/bias": ("model",),
                "d2/kernel": ("model", None)}
 
 
-def mlp(name="mlp", optimizer=None):
+def mlp(name="mlp", optimizer=None, dropout=0.0):
+    """The digits MLP; with `dropout`, a `Dropout` between its layers: a
+    step then depends on which rows the batch holds and where (the masks),
+    not only on their mean, as a batch of every process's copy showed."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(32, activation="relu", name="d1"),
+        *([keras.layers.Dropout(dropout, name="drop")] if dropout else []),
         keras.layers.Dense(10, name="d2"),
     ], name=name)
     model.compile(optimizer or keras.optimizers.Adam(0.01),
@@ -165,7 +169,7 @@ def keras_data_parallel(distributed, folder):
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(devices=devices))
     try:
-        return train_evaluate_predict(mlp())
+        return train_evaluate_predict(mlp(dropout=0.2))
     finally:
         keras.distribution.set_distribution(None)
 
@@ -184,10 +188,10 @@ def keras_model_parallel_plan():
 @row("keras-model-parallel")
 def keras_model_parallel(distributed, folder):
     if not distributed:
-        return train_evaluate_predict(mlp())
+        return train_evaluate_predict(mlp(dropout=0.2))
     distribution = keras_model_parallel_plan()
     with distribution.scope():
-        model = mlp()
+        model = mlp(dropout=0.2)
     kernel = model.get_layer("d1").kernel
     assert tuple(klm.fetch_layout(kernel).axes) == (None, "model")
     return train_evaluate_predict(model)

@@ -69,13 +69,14 @@ WORKFLOWS = (
              "keras.distribution.list_devices())`, "
              "`set_distribution`, then `fit` (a short last batch), "
              "`evaluate`, `predict` and a step of each `*_on_batch` method "
-             "of a Sequential MLP on the digits."),
+             "of a Sequential MLP with `Dropout` on the digits."),
     Workflow("keras-model-parallel",
              "The guide's `ModelParallel` with a Keras `LayoutMap` "
              "(`d1/kernel`, `d1/bias`, `d2/kernel` over `model`) on a "
              "(batch, model) mesh, the model built in `distribution.scope()`, "
              "then `fit`, `evaluate`, `predict` and the `*_on_batch` "
-             "methods; the kernel's layout read back from the backend."),
+             "methods (the MLP with `Dropout`); the kernel's layout read "
+             "back from the backend."),
     Workflow("klm-strict-two-models",
              "One strict `klm.LayoutMap` whose rules place two models built "
              "in its `scope()` (an encoder and a classifier), each then "

@@ -44,6 +44,8 @@ NOT_BUILT = None
 def install():
     Trainer = keras_jax.Trainer
     training.install_iterator(keras_jax.EpochIterator)
+    keras_jax.trainer._distribute_data = training.wrap_distribute_data(
+        keras_jax.distribute_data)
     Trainer.make_predict_function = training.wrap_make_predict_function(
         Trainer.make_predict_function)
     # Values read on the host (get_weights, save_weights, callbacks) are

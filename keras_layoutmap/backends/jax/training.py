@@ -16,14 +16,14 @@ from keras_layoutmap.backends.jax.processes import (
 )
 
 
-def distributed_iterator(self, distribution):
-    """Keras computes the data layouts from the first batch and reuses them;
-    the last, short batch then fails with `IndivisibleError`. Ask the
-    distribution for every new batch shape instead (cached). Across
-    processes, each batch becomes one global array (see `processes`)."""
+def _batch_placer(distribution):
+    """`(layout_for, place)`: a leaf's data layout (asked of the
+    distribution once per shape: the short last batch has its own), and
+    the leaf placed as one global array across processes: the same global
+    batch on every process (`auto_shard_dataset=True`), each process placing
+    its own devices' rows, or each process's own rows, gathered first."""
     cache = {}
-    several = jax.process_count() > 1
-    gather = several and not distribution.auto_shard_dataset
+    gather = not distribution.auto_shard_dataset
 
     def layout_for(d):
         if d is None:
@@ -34,18 +34,52 @@ def distributed_iterator(self, distribution):
         return cache[key]
 
     def place(d):
-        if d is None:
-            return None
+        if d is None or (isinstance(d, jax.Array)
+                         and not d.is_fully_addressable):
+            return d  # none, or a global array already
         if gather:
             d = gather_process_batches(d)
         return global_array(d, layout_for(d))
 
+    return layout_for, place
+
+
+def distributed_iterator(self, distribution):
+    """Keras computes the data layouts from the first batch and reuses them;
+    the last, short batch then fails with `IndivisibleError`. Ask the
+    distribution for every new batch shape instead (cached). Across
+    processes, each batch becomes one global array (see `processes`)."""
+    several = jax.process_count() > 1
+    layout_for, place = _batch_placer(distribution)
     for data in self.data_adapter.get_jax_iterator():
         if several:
             yield tree.map_structure(place, data)
         else:
             yield keras_jax.distribute_data(
                 data, tree.map_structure(layout_for, data))
+
+
+def wrap_distribute_data(original):
+    """Keras' `_distribute_data` for `train_on_batch` and `test_on_batch`
+    across processes: Keras hands it the batch the user passed, and JAX
+    takes that as this process's rows (`make_array_from_process_local_data`),
+    so the global batch was every process's copy side by side: twice the
+    rows on 2 processes, other dropout masks and other numbers from any op
+    that reads a row's position, with no error (a mean loss of duplicated
+    rows hid it). Here the batch is placed as `fit` places it: the same
+    global batch on every process, or each process's own rows
+    (`auto_shard_dataset=False`). A super batch (`steps_per_execution`)
+    stays Keras'."""
+
+    @functools.wraps(original)
+    def _distribute_data(data, layouts=None, **kwargs):
+        distribution = keras_distribution.distribution()
+        if (distribution is None or jax.process_count() == 1
+                or kwargs.get("is_super_batch")):
+            return original(data, layouts, **kwargs)
+        return tree.map_structure(_batch_placer(distribution)[1], data)
+
+    return _distribute_data
 
 
 def install_iterator(EpochIterator):
