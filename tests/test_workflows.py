@@ -122,7 +122,7 @@ MODEL_RULES = {"d1/kernel": (None, "model"), "d1/bias": ("model",),
                "d2/kernel": ("model", None)}
 
 
-def mlp(name="mlp", optimizer=None, dropout=0.0):
+def mlp(name="mlp", optimizer=None, dropout=0.0, steps_per_execution=1):
     """The digits MLP; with `dropout`, a `Dropout` between its layers: a
     step then depends on which rows the batch holds and where (the masks),
     not only on their mean, as a batch of every process's copy showed."""
@@ -135,8 +135,9 @@ def mlp(name="mlp", optimizer=None, dropout=0.0):
     ], name=name)
     model.compile(optimizer or keras.optimizers.Adam(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model
+
 
 
 def on_batch_steps(model, x, y):
@@ -170,6 +171,23 @@ def keras_data_parallel(distributed, folder):
             keras.distribution.DataParallel(devices=devices))
     try:
         return train_evaluate_predict(mlp(dropout=0.2))
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@row("keras-steps-per-execution")
+def keras_steps_per_execution(distributed, folder):
+    if distributed:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()))
+    try:
+        model = mlp(dropout=0.2, steps_per_execution=2)
+        x, y = digits_data(DIGITS_ROWS)  # 5 batches: 2 steps, 2, then 1
+        history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                            verbose=0).history
+        return {"loss": history["loss"], "accuracy": history["accuracy"],
+                "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
+                **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
     finally:
         keras.distribution.set_distribution(None)
 

@@ -70,6 +70,15 @@ WORKFLOWS = (
              "`set_distribution`, then `fit` (a short last batch), "
              "`evaluate`, `predict` and a step of each `*_on_batch` method "
              "of a Sequential MLP with `Dropout` on the digits."),
+    Workflow("keras-steps-per-execution",
+             "`compile(steps_per_execution=2)` under the guide's "
+             "`DataParallel`: `fit` of the MLP with `Dropout` (two steps per "
+             "execution, then a last execution of one short batch) and "
+             "`evaluate`.",
+             cannot=(Cannot(
+                 "Keras' torch trainer runs one step per execution, on one "
+                 "device too.", match="steps_per_execution.* must be 1",
+                 backend="torch"),)),
     Workflow("keras-model-parallel",
              "The guide's `ModelParallel` with a Keras `LayoutMap` "
              "(`d1/kernel`, `d1/bias`, `d2/kernel` over `model`) on a "

@@ -5,6 +5,7 @@ gathered to every process."""
 import functools
 
 import jax
+import numpy as np
 from keras import distribution as keras_distribution
 from keras import tree
 
@@ -60,26 +61,49 @@ def distributed_iterator(self, distribution):
 
 
 def wrap_distribute_data(original):
-    """Keras' `_distribute_data` for `train_on_batch` and `test_on_batch`
-    across processes: Keras hands it the batch the user passed, and JAX
-    takes that as this process's rows (`make_array_from_process_local_data`),
+    """Keras' `_distribute_data` across processes, for `train_on_batch`,
+    `test_on_batch` and Keras 3.16's `steps_per_execution` iterator:
+    Keras hands it the batch the user passed, and JAX takes that as this
+    process's rows (`make_array_from_process_local_data`),
     so the global batch was every process's copy side by side: twice the
     rows on 2 processes, other dropout masks and other numbers from any op
     that reads a row's position, with no error (a mean loss of duplicated
     rows hid it). Here the batch is placed as `fit` places it: the same
     global batch on every process, or each process's own rows
-    (`auto_shard_dataset=False`). A super batch (`steps_per_execution`)
-    stays Keras'."""
+    (`auto_shard_dataset=False`); a super batch (the batches of
+    `steps_per_execution` steps, stacked) likewise along its second axis."""
 
     @functools.wraps(original)
     def _distribute_data(data, layouts=None, **kwargs):
         distribution = keras_distribution.distribution()
-        if (distribution is None or jax.process_count() == 1
-                or kwargs.get("is_super_batch")):
+        if distribution is None or jax.process_count() == 1:
             return original(data, layouts, **kwargs)
+        if kwargs.get("is_super_batch"):
+            return tree.map_structure(_super_batch_placer(distribution), data)
         return tree.map_structure(_batch_placer(distribution)[1], data)
 
     return _distribute_data
+
+
+def _super_batch_placer(distribution):
+    """A super batch (Keras 3.16's `steps_per_execution`: the batches of
+    several steps stacked on a new first axis) placed across processes as
+    `_batch_placer` places one batch: its second axis is the batch."""
+
+    def place(d):
+        if d is None or (isinstance(d, jax.Array)
+                         and not d.is_fully_addressable):
+            return d
+        host = np.asarray(d)
+        if not distribution.auto_shard_dataset:
+            host = np.swapaxes(
+                gather_process_batches(np.swapaxes(host, 0, 1)), 0, 1)
+        batch = distribution.get_data_layout(host.shape[1:])
+        layout = keras_distribution.TensorLayout(
+            (None, *batch.axes), batch.device_mesh)
+        return global_array(host, layout.backend_layout)
+
+    return place
 
 
 def install_iterator(EpochIterator):
