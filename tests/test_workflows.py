@@ -187,6 +187,7 @@ def keras_steps_per_execution(distributed, folder):
                             verbose=0).history
         return {"loss": history["loss"], "accuracy": history["accuracy"],
                 "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
+                "predict": model.predict(x[:37], batch_size=16, verbose=0),
                 **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
     finally:
         keras.distribution.set_distribution(None)

@@ -73,8 +73,8 @@ WORKFLOWS = (
     Workflow("keras-steps-per-execution",
              "`compile(steps_per_execution=2)` under the guide's "
              "`DataParallel`: `fit` of the MLP with `Dropout` (two steps per "
-             "execution, then a last execution of one short batch) and "
-             "`evaluate`.",
+             "execution, then a last execution of one short batch), "
+             "`evaluate` and `predict`.",
              cannot=(Cannot(
                  "Keras' torch trainer runs one step per execution, on one "
                  "device too.", match="steps_per_execution.* must be 1",
