@@ -76,9 +76,9 @@ WORKFLOWS = (
              "execution, then a last execution of one short batch), "
              "`evaluate` and `predict`.",
              cannot=(Cannot(
-                 "Keras' torch trainer runs one step per execution, on one "
-                 "device too.", match="steps_per_execution.* must be 1",
-                 backend="torch"),)),
+                 "Keras 3.15's torch trainer runs one step per execution, "
+                 "on one device too.", match="steps_per_execution.* must be 1",
+                 backend="torch", keras="3.15"),)),
     Workflow("keras-model-parallel",
              "The guide's `ModelParallel` with a Keras `LayoutMap` "
              "(`d1/kernel`, `d1/bias`, `d2/kernel` over `model`) on a "
