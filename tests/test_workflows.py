@@ -139,7 +139,6 @@ def mlp(name="mlp", optimizer=None, dropout=0.0, steps_per_execution=1):
     return model
 
 
-
 def on_batch_steps(model, x, y):
     """A step of each `*_on_batch` method, every process passing the same
     batch (as to `fit`); 40 rows to predict, which the batch axis divides."""
