@@ -17,12 +17,15 @@ from keras_layoutmap.backends.jax.processes import (
 )
 
 
-def _batch_placer(distribution):
+def _batch_placer(distribution, stacked=False):
     """`(layout_for, place)`: a leaf's data layout (asked of the
     distribution once per shape: the short last batch has its own), and
     the leaf placed as one global array across processes: the same global
     batch on every process (`auto_shard_dataset=True`), each process placing
-    its own devices' rows, or each process's own rows, gathered first."""
+    its own devices' rows, or each process's own rows, gathered first.
+    `stacked`: a super batch (Keras 3.16's `steps_per_execution`: the
+    batches of several steps stacked on a new first axis), whose second
+    axis is the batch."""
     cache = {}
     gather = not distribution.auto_shard_dataset
 
@@ -31,7 +34,12 @@ def _batch_placer(distribution):
             return None
         key = tuple(d.shape)
         if key not in cache:
-            cache[key] = distribution.get_data_layout(d.shape).backend_layout
+            layout = distribution.get_data_layout(d.shape[1:] if stacked
+                                                  else d.shape)
+            if stacked:
+                layout = keras_distribution.TensorLayout(
+                    (None, *layout.axes), layout.device_mesh)
+            cache[key] = layout.backend_layout
         return cache[key]
 
     def place(d):
@@ -39,7 +47,9 @@ def _batch_placer(distribution):
                          and not d.is_fully_addressable):
             return d  # none, or a global array already
         if gather:
-            d = gather_process_batches(d)
+            d = np.asarray(d)
+            d = (np.swapaxes(gather_process_batches(np.swapaxes(d, 0, 1)), 0, 1)
+                 if stacked else gather_process_batches(d))
         return global_array(d, layout_for(d))
 
     return layout_for, place
@@ -78,32 +88,11 @@ def wrap_distribute_data(original):
         distribution = keras_distribution.distribution()
         if distribution is None or jax.process_count() == 1:
             return original(data, layouts, **kwargs)
-        if kwargs.get("is_super_batch"):
-            return tree.map_structure(_super_batch_placer(distribution), data)
-        return tree.map_structure(_batch_placer(distribution)[1], data)
+        place = _batch_placer(distribution,
+                              stacked=bool(kwargs.get("is_super_batch")))[1]
+        return tree.map_structure(place, data)
 
     return _distribute_data
-
-
-def _super_batch_placer(distribution):
-    """A super batch (Keras 3.16's `steps_per_execution`: the batches of
-    several steps stacked on a new first axis) placed across processes as
-    `_batch_placer` places one batch: its second axis is the batch."""
-
-    def place(d):
-        if d is None or (isinstance(d, jax.Array)
-                         and not d.is_fully_addressable):
-            return d
-        host = np.asarray(d)
-        if not distribution.auto_shard_dataset:
-            host = np.swapaxes(
-                gather_process_batches(np.swapaxes(host, 0, 1)), 0, 1)
-        batch = distribution.get_data_layout(host.shape[1:])
-        layout = keras_distribution.TensorLayout(
-            (None, *batch.axes), batch.device_mesh)
-        return global_array(host, layout.backend_layout)
-
-    return place
 
 
 def install_iterator(EpochIterator):
