@@ -111,9 +111,9 @@ def auto_layout_map(model_or_builder, mesh, *, model_axis="model",
         layout_map[key] = p.specs
         layout_map.set_reason(key, p.reason)
     if keras.backend.backend() == "jax":
-        data = data_axis if sizes.get(data_axis, 1) > 1 else None
         for path, specs, reason in auto.output_layouts(
-                weights, placements, model_axis=model_axis, data_axis=data):
+                weights, placements, model_axis=model_axis,
+                data_axis=auto.splitting_axis(data_axis, sizes)):
             key = re.escape(path)
             layout_map[key] = specs
             layout_map.set_reason(key, reason)

@@ -128,7 +128,7 @@ def plan(weights, sizes, *, model_axis, data_axis=None, device_memory=None):
     >>> plan([w], {"batch": 4, "model": 2}, model_axis="model")[0].specs
     (None, 'model')
     """
-    data = data_axis if data_axis and sizes.get(data_axis, 1) > 1 else None
+    data = splitting_axis(data_axis, sizes)
     placed = {}
     model_only = []
     for w in weights:
@@ -159,6 +159,12 @@ def plan(weights, sizes, *, model_axis, data_axis=None, device_memory=None):
                   - model_only[i].bytes_per_device(sizes))
         chosen[i] = with_data[i]
     return chosen
+
+
+def splitting_axis(axis, sizes):
+    """`axis` where the mesh (`sizes`, `{axis: size}`) has it over more than
+    one device, else None: an axis of one device splits nothing."""
+    return axis if axis and sizes.get(axis, 1) > 1 else None
 
 
 def output_layouts(weights, placements, *, model_axis, data_axis):
