@@ -613,6 +613,40 @@ def auto_plan(distributed, folder):
             **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
 
 
+def mistral_lm():
+    """keras-hub's Mistral causal LM (no `get_layout_map`: a model users
+    plan themselves), tiny, compiled to train and decode greedily."""
+    hub = keras_hub()
+    keras.utils.set_random_seed(0)
+    backbone = hub.models.MistralBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    lm = hub.models.MistralCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               sampler="greedy")
+    return lm
+
+
+@row("hub-auto-plan")
+def hub_auto_plan(distributed, folder):
+    if distributed:
+        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+        plan = klm.auto_layout_map(mistral_lm, mesh)  # shapes only
+        with plan.scope():
+            lm = mistral_lm()
+        planned = {r.path: r.layout for r in plan.explain(lm).rows}
+        for variable in lm.weights:  # read from the backend
+            assert klm.fetch_layout(variable) == planned[variable.path], \
+                variable.path
+        held = {v.path: held_specs(v) for v in lm.weights}
+        assert sum("model" in specs for specs in held.values()) >= 6, held
+    else:
+        lm = mistral_lm()
+    return {**hub_fit(lm), **lm_weights(lm),
+            **generated(lm, mixed_prompts(8))}
+
+
 # -- quantized models ------------------------------------------------------------
 
 # Where `quantize` meets the plan, a mode in each way a user gets there

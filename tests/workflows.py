@@ -143,6 +143,11 @@ WORKFLOWS = (
              "`scope()`, then `fit` and `predict`: every weight held as the "
              "plan says, read from the backend (on TensorFlow the plan keeps "
              "the convolution's kernel whole, which DTensor needs)."),
+    Workflow("hub-auto-plan",
+             "`klm.auto_layout_map(build, mesh)` of keras-hub's Mistral "
+             "causal LM (no recipe; 2 key/value heads), planned from its "
+             "builder, then `fit` and greedy `generate()` of 8 prompts: "
+             "every weight held as the plan says, read from the backend."),
     Workflow("quantized-lora-fit",
              "A Functional MLP quantized to int8 with Keras' `ModelParallel` "
              "set (its rule `d1/kernel` also matches `d1/kernel_scale`), and "
