@@ -5,6 +5,8 @@ keras_layoutmap.launch -n 4 -m pytest` (nox -s tests-torch) on a (batch 2,
 model 2) mesh, each output and gradient compared with torch's einsum of
 the whole tensors, and the output's placements read from the DTensor."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from helpers import mp_mesh
@@ -81,8 +83,10 @@ CASES = {
     # Replicate)
     "projection": ("btd,ndh->btnh", [(4, 3, 8), (4, 8, 2)],
                    [("b", None), ("d", "n")], ["S0", "S2"]),
+    # summed over "model" at once, not left a pending sum that each op
+    # reading it would sum again
     "row-parallel": ("btf,fd->btd", [(4, 3, 6), (6, 5)],
-                     [("b", "f"), (None, "f")], ["S0", "P"]),
+                     [("b", "f"), (None, "f")], ["S0", "R"]),
     "attention": ("btkgh,bskh->bkgts", [(2, 3, 2, 2, 4), (2, 5, 2, 4)],
                   [("b", "k"), ("b", "k")], ["S0", "S1"]),
     "uneven": ("ij,jk->ik", [(5, 3), (3, 7)], [("i", None), (None, "k")],
@@ -165,7 +169,53 @@ PLAIN_CASES = {
     # sequence, each stays split.
     "matmul": ("matmul", [(4, 6, 8), (8, 6)], [(0, 1), (None, 1)],
                ["S0", "S1"]),
+    # 2-D plans' kernels, split over "batch" as well, larger than the
+    # activations (one token per row, as `generate()` decodes): gathered
+    # over "batch" (one all-gather), the activations left where they are.
+    "matmul-kernel-over-batch": ("matmul", [(4, 1, 8), (8, 32)],
+                                 [(0, None), (0, 1)], ["S0", "S2"]),
+    # ... a row-parallel one, its output features over "batch": and summed
+    # over "model" (DTensor's plan moved the activations instead).
+    "matmul-row-parallel-over-batch": ("matmul", [(4, 1, 32), (32, 8)],
+                                       [(0, 2), (1, 0)], ["S0", "R"]),
+    # Row parallel (DTensor's own plan): summed over "model" at once.
+    "matmul-row-parallel": ("matmul", [(4, 3, 6), (6, 5)],
+                            [(0, 2), (None, 0)], ["S0", "R"]),
 }
+# The collectives each forward takes (torch's functional collectives,
+# which DTensor's redistributions call).
+PLAIN_COLLECTIVES = {"flatten": {"all_gather_into_tensor": 1},
+                     "matmul": {"all_gather_into_tensor": 1},
+                     "matmul-kernel-over-batch": {"all_gather_into_tensor": 1},
+                     "matmul-row-parallel-over-batch": {
+                         "all_gather_into_tensor": 1, "all_reduce": 1},
+                     "matmul-row-parallel": {"all_reduce": 1}}
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """{name: calls} of torch's functional collectives inside the block."""
+    import torch
+
+    namespace = torch.ops._c10d_functional
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+             "all_to_all_single")
+    originals = {name: getattr(namespace, name) for name in names}
+    counts = {}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(namespace, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(namespace, name, original)
 
 
 @pytest.mark.sharding
@@ -193,7 +243,9 @@ def test_reshape_and_matmul_keep_plain_placements(case):
             return keras.ops.reshape(xs[0], (xs[0].shape[0], -1))
         return keras.ops.matmul(*xs)
 
-    out = run(*operands)
+    with counted_collectives() as collectives:
+        out = run(*operands)
+    assert collectives == PLAIN_COLLECTIVES[case]
     # read from the DTensor: plain placements, none strided
     assert [_describe(p) for p in out.placements] == expected, out.placements
     assert_equals_whole(out, operands, wholes, run, rng)

@@ -17,8 +17,11 @@ An einsum's letters give its plan directly. For each mesh axis:
   whole on that axis, and the output is split by it;
 - else a summed letter that some operand splits over the axis stays
   split in every operand that has it (each process sums its part): the
-  output is a partial sum over the axis (`Partial`), reduced where it is
-  next needed whole, as DTensor's own row-parallel plan does;
+  output is summed over the axis at once (one all-reduce, Megatron's
+  row-parallel g). Left as a pending sum (`Partial`), as DTensor's own
+  plan leaves it, it was summed again by each op that reads it: the
+  query, key and value projections of one input three times, a norm by a
+  reduce-scatter and an all-gather;
 - else every operand is whole on that axis.
 
 Each operand is brought to its plan (DTensor's `redistribute`: a gather,
@@ -177,8 +180,8 @@ def wrap_einsum(original):
                 grad_placements=_placements(grad, term)))
             for x, term, target, grad in zip(operands, inputs, targets, grads)]
         out = original(subscripts, *pieces, **kwargs)
-        return DTensor.from_local(
+        return sums_taken(DTensor.from_local(
             out.contiguous(), mesh, _placements(result, output),
-            run_check=False, shape=shape, stride=contiguous_stride(shape))
+            run_check=False, shape=shape, stride=contiguous_stride(shape)))
 
     return einsum

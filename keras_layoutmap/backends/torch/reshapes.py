@@ -17,8 +17,14 @@ test suite's 4-process run went there.
   other axis keeps its split.
 - `wrap_matmul`: `matmul` of a DTensor of rank 3 or more by a matrix,
   where a leading dimension after the first is split (a sequence split
-  over "model"), is the einsum of the same letters (`einsums.py`),
-  planned from its placements, with no merged dimension.
+  over "model"), or where the matrix is split over an axis that splits
+  the rows (a kernel of a 2-D plan, split over "batch" and "model"), is
+  the einsum of the same letters (`einsums.py`), planned from its
+  placements: no merged dimension, and the kernel gathered over the rows'
+  axis (one all-gather) where DTensor's own plan moves the activations
+  (an all-to-all, which gloo makes an all-gather and a chunk, then a
+  reduce-scatter). A product left a pending sum (`Partial`) is summed at
+  once, as the einsum's is.
 
 The numbers are the same: only where each piece is held changes.
 """
@@ -30,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
+from keras_layoutmap.backends.torch.placement import sums_taken
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # Keras computes a float16 matmul in float32 on a CPU, and integers as its
@@ -72,6 +79,18 @@ def _merges_a_split(x):
                for place in x.placements)
 
 
+def _splits_a_kernel_by_rows(x1, x2):
+    """Whether the matrix `x2` is split over a mesh axis that splits `x1`'s
+    leading dimensions (its rows): a kernel split over the batch axis as
+    well as the model axis (a 2-D plan's). DTensor's plan then moves the
+    activations instead: an all-to-all (gloo has none: an all-gather and a
+    chunk) and a reduce-scatter of the product, where the einsum's plan
+    gathers the kernel over that axis, one all-gather."""
+    return any(
+        type(a) is Shard and a.dim < x1.ndim - 1 and type(b) is Shard
+        for a, b in zip(x1.placements, x2.placements))
+
+
 def wrap_matmul(original, einsum):
     """`original` (Keras' matmul); `einsum`, Keras' einsum as wrapped by
     einsums.py."""
@@ -81,8 +100,13 @@ def wrap_matmul(original, einsum):
         x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
         if (not isinstance(x1, DTensor) or x1.ndim < 3 or x2.ndim != 2
                 or x1.dtype != x2.dtype or x1.dtype not in _PLANNED_DTYPES
-                or not _merges_a_split(x1)):
-            return original(x1, x2)
+                or not (_merges_a_split(x1) or (
+                    isinstance(x2, DTensor)
+                    and x2.device_mesh == x1.device_mesh
+                    and _splits_a_kernel_by_rows(x1, x2)))):
+            out = original(x1, x2)
+            # a row-parallel product summed at once, as einsums.py does
+            return sums_taken(out) if isinstance(out, DTensor) else out
         batch = _LETTERS[:x1.ndim - 2]
         i, j, k = _LETTERS[x1.ndim - 2:x1.ndim + 1]
         return einsum(f"{batch}{i}{j},{j}{k}->{batch}{i}{k}", x1, x2)
