@@ -589,20 +589,28 @@ def small_cnn():
     return model
 
 
+def built_as_planned(build):
+    """`build()` in the scope of `klm.auto_layout_map(build, mesh)`,
+    planned from the builder (shapes only), every weight held as the plan
+    says, read from the backend; and {path: the mesh axes it is split
+    over}."""
+    mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
+    plan = klm.auto_layout_map(build, mesh)
+    with plan.scope():
+        model = build()
+    planned = {r.path: r.layout for r in plan.explain(model).rows}
+    for variable in model.weights:
+        assert klm.fetch_layout(variable) == planned[variable.path], \
+            variable.path
+    return model, {v.path: held_specs(v) for v in model.weights}
+
+
 @row("auto-plan")
 def auto_plan(distributed, folder):
     x, y = digits_data(DIGITS_ROWS)
     x = x.reshape(-1, 8, 8, 1)
     if distributed:
-        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
-        plan = klm.auto_layout_map(small_cnn, mesh)  # shapes only
-        with plan.scope():
-            model = small_cnn()
-        planned = {r.path: r.layout for r in plan.explain(model).rows}
-        for variable in model.weights:  # read from the backend
-            assert klm.fetch_layout(variable) == planned[variable.path], \
-                variable.path
-        held = {v.path: held_specs(v) for v in model.weights}
+        model, held = built_as_planned(small_cnn)
         assert "model" in held["d1/kernel"] and "model" in held["d2/kernel"]
     else:
         model = small_cnn()
@@ -631,15 +639,7 @@ def mistral_lm():
 @row("hub-auto-plan")
 def hub_auto_plan(distributed, folder):
     if distributed:
-        mesh = klm.create_mesh([("batch", DEVICES // 2), ("model", 2)])
-        plan = klm.auto_layout_map(mistral_lm, mesh)  # shapes only
-        with plan.scope():
-            lm = mistral_lm()
-        planned = {r.path: r.layout for r in plan.explain(lm).rows}
-        for variable in lm.weights:  # read from the backend
-            assert klm.fetch_layout(variable) == planned[variable.path], \
-                variable.path
-        held = {v.path: held_specs(v) for v in lm.weights}
+        lm, held = built_as_planned(mistral_lm)
         assert sum("model" in specs for specs in held.values()) >= 6, held
     else:
         lm = mistral_lm()
