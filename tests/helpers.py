@@ -11,6 +11,7 @@ written at run time gets `TESTS` on its PYTHONPATH). Importing it touches no
 device: conftest.py, or the script, configures the devices first.
 """
 
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -352,3 +353,29 @@ def configure_script(path, devices=8):
     path.write_text("import keras_layoutmap as klm\n"
                     f"klm.configure_virtual_devices({devices})\n")
     return path
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """{name: calls} of torch's functional collectives inside the block."""
+    import torch
+
+    namespace = torch.ops._c10d_functional
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+             "all_to_all_single")
+    originals = {name: getattr(namespace, name) for name in names}
+    counts = {}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(namespace, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(namespace, name, original)

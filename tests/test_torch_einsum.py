@@ -5,11 +5,9 @@ keras_layoutmap.launch -n 4 -m pytest` (nox -s tests-torch) on a (batch 2,
 model 2) mesh, each output and gradient compared with torch's einsum of
 the whole tensors, and the output's placements read from the DTensor."""
 
-import contextlib
-
 import numpy as np
 import pytest
-from helpers import mp_mesh
+from helpers import counted_collectives, mp_mesh
 
 from keras_layoutmap import backends
 
@@ -190,32 +188,6 @@ PLAIN_COLLECTIVES = {"flatten": {"all_gather_into_tensor": 1},
                      "matmul-row-parallel-over-batch": {
                          "all_gather_into_tensor": 1, "all_reduce": 1},
                      "matmul-row-parallel": {"all_reduce": 1}}
-
-
-@contextlib.contextmanager
-def counted_collectives():
-    """{name: calls} of torch's functional collectives inside the block."""
-    import torch
-
-    namespace = torch.ops._c10d_functional
-    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
-             "all_to_all_single")
-    originals = {name: getattr(namespace, name) for name in names}
-    counts = {}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(namespace, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(namespace, name, original)
 
 
 @pytest.mark.sharding

@@ -5,12 +5,21 @@ with it; every process must read the whole minimum
 (`backends/torch/scalar_reads.py`). Here: the scalar reads themselves, and
 generate with stop tokens (the loop's condition is such a read); the
 workflow matrix's hub-generate-greedy and hub-generate-data-parallel rows
-check mixed lengths under keras-hub's recipe and `DataParallel`."""
+check mixed lengths under keras-hub's recipe and `DataParallel`. And
+the weights split over the prompts' rows, gathered once per call
+(`backends/torch/decoding.py`)."""
 
 import keras
 import numpy as np
 import pytest
-from helpers import BACKEND, DEVICES, dp_mesh, keras_mesh, mp_mesh
+from helpers import (
+    BACKEND,
+    DEVICES,
+    counted_collectives,
+    dp_mesh,
+    keras_mesh,
+    mp_mesh,
+)
 
 import keras_layoutmap as klm
 
@@ -129,3 +138,51 @@ def test_mixed_prompt_lengths_stop_tokens_equals_one_device():
     inputs = prompts(8)
     stop = (int(generate(build(), inputs)[0, 5]),)  # row 0 stops early
     assert_equals_one_device(recipe(), rows=8, stop_token_ids=stop)
+
+
+@pytest.mark.parametrize("memory", ["enough", "short"])
+def test_weights_split_over_the_rows_are_gathered_once_per_call(
+        monkeypatch, memory):
+    """Under `klm.fsdp`, `generate()` gathers each split weight once per
+    call (one all-gather each, however many tokens it generates), where
+    every process's free memory holds them; where one's does not, each
+    weight is gathered where read, at every token. Either way the ids are
+    one device's, and the variables hold their own pieces after the call,
+    as they did before it (read from the backend), also after a call that
+    raised."""
+    from keras_layoutmap.backends.torch import decoding
+
+    if memory == "short":
+        monkeypatch.setattr(decoding, "free_bytes",
+                            lambda device_type: 0 if klm.process_index() else None)
+    short = prompts(8)
+    long = dict(short, padding_mask=np.ones_like(short["padding_mask"]))
+    long["padding_mask"][:, 8:] = False  # 8-token prompts: 4 new tokens
+    long["token_ids"] = np.where(long["padding_mask"], 7, 0).astype("int32")
+    expected = [generate(build(), x) for x in (short, long)]
+    plan = klm.fsdp(mp_mesh(), axis="batch", min_bytes=0)
+    with plan.scope():
+        lm = build()
+    values = [v._value for v in lm.weights]
+    layouts = [klm.fetch_layout(v).sharding_specs for v in lm.weights]
+    split = sum("batch" in axes for axes in layouts)
+    assert split > 4
+    gathers = []
+    for x, want in zip((short, long), expected):
+        with counted_collectives() as counts:
+            np.testing.assert_array_equal(generate(lm, x), want)
+        gathers.append(counts.get("all_gather_into_tensor", 0))
+    if memory == "enough":
+        assert gathers[0] == gathers[1] >= split, gathers
+    else:  # 9 new tokens, then 4: gathers at every token
+        assert gathers[0] - gathers[1] >= 5, gathers
+    assert all(v._value is value for v, value in zip(lm.weights, values))
+    assert [klm.fetch_layout(v).sharding_specs for v in lm.weights] == layouts
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a decoding step failed")
+
+    monkeypatch.setattr(lm, "call_with_cache", fails)  # after the gathers
+    with pytest.raises(RuntimeError, match="a decoding step failed"):
+        generate(lm, short)
+    assert all(v._value is value for v, value in zip(lm.weights, values))

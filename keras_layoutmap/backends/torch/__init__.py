@@ -16,6 +16,7 @@ from keras_layoutmap.backends.torch import (
     attention,
     cache_updates,
     convolution,
+    decoding,
     einsums,
     gradients,
     keras_distribution,
@@ -66,6 +67,7 @@ NOT_BUILT = None
 def after_place(model):
     """A model's variables moved: torch's list of its parameters follows."""
     training.retrack_parameters(model)
+    decoding.install_if_loaded()
 
 
 def install():
@@ -125,6 +127,7 @@ def install():
     keras_torch.random.categorical = random_draws.wrap_categorical(
         keras_torch.random.categorical)
     distribution_module.distribution_lib = keras_distribution
+    decoding.install_if_loaded()  # else when a variable is placed
     keras_torch.core.slice_update = cache_updates.wrap_slice_update(
         keras_torch.core.slice_update)
     keras_torch.numpy.take = lookups.wrap_take(keras_torch.numpy.take)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_layoutmap import same_value
-from keras_layoutmap.backends.torch import initialization, processes
+from keras_layoutmap.backends.torch import decoding, initialization, processes
 from keras_layoutmap.backends.torch.keras_internals import convert_to_tensor
 from keras_layoutmap.backends.torch.placement import (
     _placed,
@@ -81,6 +81,7 @@ def wrap_initialize(original):
             value = value()
         value = convert_to_tensor(value, dtype=self._dtype)
         self._value = _parameter(self, to_layout(value, layout))
+        decoding.install_if_loaded()
 
     return _initialize
 
