@@ -132,6 +132,7 @@ def wrap_initialize_with_initializer(original):
                 initializer, self._shape, self._dtype, layout)
             if value is not None:
                 self._value = _parameter(self, value)
+                decoding.install_if_loaded()
                 return
         original(self, initializer)
 
