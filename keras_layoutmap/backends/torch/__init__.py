@@ -67,7 +67,6 @@ NOT_BUILT = None
 def after_place(model):
     """A model's variables moved: torch's list of its parameters follows."""
     training.retrack_parameters(model)
-    decoding.install_if_loaded()
 
 
 def install():

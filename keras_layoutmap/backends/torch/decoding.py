@@ -20,7 +20,8 @@ same path); else each weight is read as before, gathered where read.
 `KLM_TORCH_DECODE_GATHERED=0` turns this off.
 
 keras-hub is not imported here: its `CausalLM.make_generate_function` is
-wrapped once keras-hub is loaded, when a variable is placed on a mesh.
+wrapped once keras-hub is loaded, when a variable is placed (or at
+install, where keras-hub was imported first).
 """
 
 import contextlib
@@ -64,8 +65,9 @@ def gathered_placements(value, mesh, dims):
 
 
 def _piece_bytes(value, placements):
-    """The bytes of this process's piece of `value` laid out by
-    `placements` (an even split; the last piece may be smaller)."""
+    """The bytes of a piece of `value` laid out by `placements`, as an even
+    split: the same figure on every process (a last piece may be smaller),
+    so that every process takes the same path in `gathered_once`."""
     count = value.numel()
     for dim, p in enumerate(placements):
         if isinstance(p, Shard):

@@ -23,6 +23,9 @@ from keras_layoutmap.layout import Layout, as_layout
 
 
 def _parameter(variable, value):
+    # Every placement of a variable comes here: keras-hub, once loaded, gets
+    # its decoding wrap (a dict lookup until then).
+    decoding.install_if_loaded()
     value = value.detach()
     trainable = variable.trainable and (value.is_floating_point()
                                         or value.is_complex())
@@ -81,7 +84,6 @@ def wrap_initialize(original):
             value = value()
         value = convert_to_tensor(value, dtype=self._dtype)
         self._value = _parameter(self, to_layout(value, layout))
-        decoding.install_if_loaded()
 
     return _initialize
 
@@ -132,7 +134,6 @@ def wrap_initialize_with_initializer(original):
                 initializer, self._shape, self._dtype, layout)
             if value is not None:
                 self._value = _parameter(self, value)
-                decoding.install_if_loaded()
                 return
         original(self, initializer)
 
