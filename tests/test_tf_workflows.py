@@ -12,7 +12,8 @@ mesh.
   Keras' TensorFlow einsum transposed the replicated KV cache into a matmul
   with the split query, which DTensor's Transpose refuses ("TransposeOp SPMD
   needs communication is not supported yet"); under `klm.fsdp`, DTensor's
-  ArgMax refused the greedy sampler's logits.
+  ArgMax refused the greedy sampler's logits. The weights split over the
+  prompts' axis are gathered once per call, not at each token.
 - `ops.argmax` / `ops.argmin` on a mesh give one device's index (the first
   on a tie, -0.0 below 0.0, infinities), eagerly and in a `tf.function`;
   `ops.top_k` its indices and values (an infinity as the largest finite
@@ -125,6 +126,52 @@ def test_generate_one_prompt_per_shard_equals_one_device(distribution, rows):
     mask = prompts["padding_mask"]
     np.testing.assert_array_equal(np.where(mask, got, 0), prompts["token_ids"])
     assert (got[~mask] != 0).any()  # it generated
+
+
+def gathers_in_the_loop(lm):
+    """The weights `lm`'s traced generate function gathers inside its
+    decoding loop: the `Relayout` ops of a variable's read in the bodies
+    of its `tf.while_loop`s."""
+    count = 0
+    compiled = lm.generate_function.compiled  # the tf.function it runs
+    for function in compiled._list_all_concrete_functions():
+        for body in function.graph.as_graph_def().library.function:
+            if "while_body" not in body.signature.name:
+                continue
+            ops = {node.name: node.op for node in body.node_def}
+            count += sum(node.op == "Relayout"
+                         and ops.get(node.input[0].split(":")[0]) == "ReadVariableOp"
+                         for node in body.node_def)
+    return count
+
+
+@pytest.mark.parametrize("memory", ["enough", "short"])
+def test_weights_split_over_the_rows_are_gathered_once_per_call(memory,
+                                                                 monkeypatch):
+    """keras-hub's decoding loop reads the weights `klm.fsdp` splits over
+    the prompts' axis gathered once, before the loop (`decoding.py`); with
+    too little free memory for them, at each read inside it, as before. The
+    ids are one device's either way, and the variables keep their
+    layouts, read from the backend."""
+    from keras_layoutmap.backends.tensorflow import decoding
+
+    if memory == "short":
+        monkeypatch.setattr(decoding, "free_bytes", lambda: 0)
+    prompts = mixed_prompts(DEVICES)
+    keras.distribution.set_distribution(None)
+    expected = generated(causal_lm(), prompts)
+    distribution = fsdp()
+    with distribution.scope():
+        lm = causal_lm()
+    before = {v.path: klm.fetch_layout(v) for v in lm.weights}
+    assert sum("batch" in layout.axes for layout in before.values()) >= 8
+    np.testing.assert_array_equal(generated(lm, prompts), expected)
+    gathers = gathers_in_the_loop(lm)
+    if memory == "enough":
+        assert gathers == 0
+    else:
+        assert gathers >= 7  # the block's kernels and the embeddings
+    assert {v.path: klm.fetch_layout(v) for v in lm.weights} == before
 
 
 def test_argmax_argmin_and_top_k_on_a_mesh_give_one_devices_results():

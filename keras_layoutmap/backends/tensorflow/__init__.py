@@ -15,7 +15,8 @@ One concern a module: `placement` (meshes, layouts, tensors, host reads),
 (random numbers inside a step), `export`, `processes` (DTensor
 multi-client), `keras_distribution` (what `keras.distribution` asks of
 the backend: every process's devices), `slice_updates` / `einsum` /
-`arg_reductions` (keras-hub's `generate()` on a mesh), `quantized_matmul` /
+`arg_reductions` (keras-hub's `generate()` on a mesh), `decoding` (its
+weights gathered once per call), `quantized_matmul` /
 `quantized_lookup` / `quantized_float8` (quantized layers on a mesh),
 `eager_ops` (Keras ops DTensor refuses eagerly run whole). This
 module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
@@ -28,6 +29,7 @@ import keras
 
 from keras_layoutmap.backends.tensorflow import (
     arg_reductions,
+    decoding,
     eager_ops,
     einsum,
     export,
@@ -125,6 +127,8 @@ def install():
     # keras-hub's generate(): the KV cache and token updates on a mesh.
     keras_tf.core.slice_update = slice_updates.wrap_slice_update(
         keras_tf.core.slice_update)
+    # ... its weights split over the prompts' axis gathered once per call.
+    decoding.install_if_loaded()  # else when a variable is placed
     # ... the greedy sampler's argmax of logits laid out unlike its output.
     keras_tf.numpy.argmax = arg_reductions.wrap_argmax(keras_tf.numpy.argmax)
     keras_tf.numpy.argmin = arg_reductions.wrap_argmin(keras_tf.numpy.argmin)

@@ -17,6 +17,7 @@ Without an FSDP axis, the same gather runs for the span of one `Dense` or
 `get_layout_map` recipes store kernels that way (`wrap_dense_call`).
 """
 
+import contextlib
 import contextvars
 import functools
 import re
@@ -31,6 +32,21 @@ from keras_layoutmap.backends.tensorflow.quantized_lookup import NARROW_INTEGERS
 # The mesh axis to gather weights over while a model's call runs; None
 # outside one (the optimizer's update, metrics) or with no FSDP axis.
 _GATHER_AXIS = contextvars.ContextVar("klm_fsdp_gather_axis", default=None)
+# Values to read in place of variables' own (keras-hub's decoding: its
+# weights gathered once per call, `decoding.py`): {id(variable): value}.
+_HELD = contextvars.ContextVar("klm_held_values", default=None)
+
+
+@contextlib.contextmanager
+def reading(values):
+    """Reads of each variable `values` holds (`{id(variable): tensor}`,
+    through `Variable.value`) give that tensor; assigns are left as they
+    are (a variable assigned while this holds it must not be among them)."""
+    token = _HELD.set(values)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
 
 
 def _fsdp_axis():
@@ -58,7 +74,7 @@ def wrap_model_call(original):
     return __call__
 
 
-def _stored_layout(variable):
+def stored_layout(variable):
     """The DTensor layout a Keras variable is stored with, or None."""
     layout = getattr(getattr(variable, "_value", None), "layout", None)
     return layout if isinstance(layout, dtensor.Layout) else None
@@ -137,7 +153,7 @@ def wrap_dense_call(original):
     def call(self, inputs, *args, **kwargs):
         dist = mesh_distribution()
         axis = getattr(dist, "batch_dim_name", None)
-        layout = _stored_layout(getattr(self, "_kernel", None))
+        layout = stored_layout(getattr(self, "_kernel", None))
         if (axis is None or layout is None or _GATHER_AXIS.get() is not None
                 or axis not in layout.sharding_specs):
             return original(self, inputs, *args, **kwargs)
@@ -166,20 +182,15 @@ def gathered(variable, value):
     axis = _GATHER_AXIS.get()
     if axis is None:
         return value
-    layout = _stored_layout(variable)
+    layout = stored_layout(variable)
     if layout is None:  # not a DVariable
         return value
     specs = list(layout.sharding_specs)
     if axis not in specs:
         return value
-    whole = [dtensor.UNSHARDED if s == axis else s for s in specs]
-    whole = dtensor.Layout(whole, layout.mesh)
-    if value.dtype.name in NARROW_INTEGERS:
-        # A quantized kernel's codes (int8; int4 packed two a byte):
-        # DTensor's collectives move floats and 32/64-bit integers only.
-        # Widened, the codes move exactly; narrowed again where they arrive.
-        return tf.cast(dtensor.relayout(tf.cast(value, tf.int32), whole),
-                       value.dtype)
+    whole = whole_over(layout, (axis,))
+    if value.dtype.name in NARROW_INTEGERS:  # a quantized kernel's codes
+        return relayout(value, whole)
     if not getattr(variable, "trainable", False) or len(specs) < 2:
         # no gradient, or no table of rows to look up: TF's own gradient
         gathered_value = dtensor.relayout(value, whole)
@@ -190,6 +201,23 @@ def gathered(variable, value):
     except AttributeError:
         pass
     return gathered_value
+
+
+def whole_over(layout, axes):
+    """`layout` (a `dtensor.Layout`) with the mesh axes `axes` unsharded."""
+    return dtensor.Layout([dtensor.UNSHARDED if s in axes else s
+                           for s in layout.sharding_specs], layout.mesh)
+
+
+def relayout(value, layout):
+    """`dtensor.relayout(value, layout)`, also of a quantized kernel's
+    codes (int8; int4 packed two a byte): DTensor's collectives move floats
+    and 32/64-bit integers only, so they move widened, exactly, and are
+    narrowed again where they arrive."""
+    if value.dtype.name in NARROW_INTEGERS:
+        return tf.cast(dtensor.relayout(tf.cast(value, tf.int32), layout),
+                       value.dtype)
+    return dtensor.relayout(value, layout)
 
 
 def _relayout(value, whole):
@@ -228,6 +256,9 @@ def wrap_value(prop):
     @property
     @functools.wraps(prop.fget)
     def value(self):
+        held = _HELD.get()
+        if held is not None and id(self) in held:
+            return self._maybe_autocast(held[id(self)])
         return gathered(self, prop.fget(self))
 
     return value

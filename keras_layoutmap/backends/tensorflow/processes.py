@@ -205,6 +205,15 @@ def check_same_everywhere(value):
                           host.dtype)
 
 
+def every_process_agrees(flag):
+    """Whether `flag` holds on every process (a collective every client
+    joins; eagerly)."""
+    if _STATE["clients"] == 1:
+        return bool(flag)
+    every = _allgather(shared_process_mesh(), np.asarray([int(bool(flag))]))
+    return bool(np.all(every))
+
+
 def _allgather(mesh, value):
     rank = value.ndim + 1
     layout = dtensor.Layout(["proc"] + [dtensor.UNSHARDED] * value.ndim, mesh)

@@ -8,7 +8,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap import same_value
-from keras_layoutmap.backends.tensorflow import processes
+from keras_layoutmap.backends.tensorflow import decoding, processes
 from keras_layoutmap.backends.tensorflow.initialization import born_sharded
 from keras_layoutmap.backends.tensorflow.placement import (
     distribute,
@@ -21,6 +21,9 @@ from keras_layoutmap.layout import Layout, as_layout
 
 
 def _make_dvariable(variable, value, layout):
+    # Every placed variable comes here: once keras-hub is loaded, install
+    # its decoding wrap (a dict lookup until then).
+    decoding.install_if_loaded()
     with tf.init_scope():
         value = distribute(value, layout)
         return dtensor.DVariable(

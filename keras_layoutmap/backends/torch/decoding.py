@@ -27,16 +27,15 @@ install, where keras-hub was imported first).
 import contextlib
 import functools
 import os
-import sys
 
 import torch
 from keras import tree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from keras_layoutmap.backends.causal_lm import wrap_when_loaded
 from keras_layoutmap.backends.torch.local_trials import on_every_process
 
 ENABLED = os.environ.get("KLM_TORCH_DECODE_GATHERED", "1") != "0"
-CAUSAL_LM_MODULE = "keras_hub.src.models.causal_lm"
 _WRAPPED = "_klm_gathered_once"
 
 
@@ -155,11 +154,4 @@ def wrap_make_generate_function(original):
 def install_if_loaded():
     """Wrap keras-hub's `CausalLM.make_generate_function` once keras-hub is
     loaded (called where variables are placed: cheap until then)."""
-    module = sys.modules.get(CAUSAL_LM_MODULE)
-    causal_lm = getattr(module, "CausalLM", None)
-    if causal_lm is None or getattr(
-            causal_lm.make_generate_function, _WRAPPED, False):
-        return
-    wrapped = wrap_make_generate_function(causal_lm.make_generate_function)
-    setattr(wrapped, _WRAPPED, True)
-    causal_lm.make_generate_function = wrapped
+    wrap_when_loaded(wrap_make_generate_function)
