@@ -1,23 +1,27 @@
-"""keras-hub's `generate()` on TensorFlow: the weights split over the
+"""keras-hub's `generate()` on TensorFlow: the kernels split over the
 prompts' mesh axis are gathered once per call, before the decoding loop.
 
 keras-hub decodes on TensorFlow in one `tf.function` (`generate_step`),
-whose `tf.while_loop` calls the backbone's layers at every token. A weight
-split over the mesh axis that also splits the prompts' rows (the `batch`
-axis of `klm.fsdp`'s plan, of a 2-D plan and of keras-hub's recipes) is
-gathered over it wherever a layer reads it (`gather.py`): inside the
-loop, at every token. Here the step reads every such weight once, as it
-starts, gathered over that axis (still split over the others: a 2-D
-plan's weight keeps its tensor-parallel piece), and the loop's layers read
-those values (a `keras.StatelessScope` maps each variable to its gathered
-value). The variables keep their layouts; a value the step assigns (a
-sampler's seed) is assigned to its variable after the step.
+whose `tf.while_loop` calls the backbone's layers at every token. A Dense
+or EinsumDense kernel split over the mesh axis that also splits the
+prompts' rows (the `batch` axis of `klm.fsdp`'s plan, of a 2-D plan and of
+keras-hub's recipes) is gathered over it at each call of its layer
+(`gather.wrap_dense_call`): inside the loop, at every token. Here the step
+reads each such kernel once, as it starts, gathered over that axis (still
+split over the others: a 2-D plan's kernel keeps its tensor-parallel
+piece), and the loop's layers read those values (`gather.reading`). The
+variables keep their layouts. Other weights stay as DTensor reads them:
+held gathered, some make steps DTensor refuses (the lookup of a position
+table split over `model` alone).
 
-The gathered weights cost memory for the call: `extra_bytes` of them on
+The gathered kernels cost memory for the call: `extra_bytes` of them on
 each device. They are gathered only where that fits in half of every
 process's free memory (known on CPUs; on accelerators TensorFlow does not
 say, and they are gathered), decided when the step is traced, by every
-process alike. `KLM_TF_DECODE_GATHERED=0` turns this off.
+process alike. Where DTensor refuses the step as it compiles it (an
+`UnknownError` from its MLIR passes, before anything runs: keras-hub's
+Mixtral, a quantized Gemma in 2 processes), keras-hub's own step takes
+over. `KLM_TF_DECODE_GATHERED=0` turns this off.
 """
 
 import functools
