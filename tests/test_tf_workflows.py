@@ -12,7 +12,7 @@ mesh.
   Keras' TensorFlow einsum transposed the replicated KV cache into a matmul
   with the split query, which DTensor's Transpose refuses ("TransposeOp SPMD
   needs communication is not supported yet"); under `klm.fsdp`, DTensor's
-  ArgMax refused the greedy sampler's logits. The weights split over the
+  ArgMax refused the greedy sampler's logits. The kernels split over the
   prompts' axis are gathered once per call, not at each token.
 - `ops.argmax` / `ops.argmin` on a mesh give one device's index (the first
   on a tie, -0.0 below 0.0, infinities), eagerly and in a `tf.function`;
@@ -148,7 +148,7 @@ def gathers_in_the_loop(lm):
 @pytest.mark.parametrize("memory", ["enough", "short"])
 def test_weights_split_over_the_rows_are_gathered_once_per_call(memory,
                                                                  monkeypatch):
-    """keras-hub's decoding loop reads the weights `klm.fsdp` splits over
+    """keras-hub's decoding loop reads the kernels `klm.fsdp` splits over
     the prompts' axis gathered once, before the loop (`decoding.py`); with
     too little free memory for them, at each read inside it, as before. The
     ids are one device's either way, and the variables keep their
@@ -170,7 +170,7 @@ def test_weights_split_over_the_rows_are_gathered_once_per_call(memory,
     if memory == "enough":
         assert gathers == 0
     else:
-        assert gathers >= 7  # the block's kernels and the embeddings
+        assert gathers >= 7  # the block's 7 Dense / EinsumDense kernels
     assert {v.path: klm.fetch_layout(v) for v in lm.weights} == before
 
 

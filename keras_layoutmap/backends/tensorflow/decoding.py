@@ -69,10 +69,9 @@ def gathered_layouts(model, axes):
     """`[(kernel, its layout with axes unsharded)]` for the kernel of each
     `Dense` and `EinsumDense` layer of `model` stored split over one of
     `axes`: the weights `gather.wrap_dense_call` gathers at each call.
-    Others (embedding tables, a mixture's experts) stay as DTensor reads
-    them, which a decoding step holding them gathered can fail (DTensor's
-    lookup of a table split over `model` alone; "operand #0 does not
-    dominate this use" with Mixtral's experts)."""
+    Other weights (embedding tables, a mixture's experts) stay as DTensor
+    reads them: held gathered, a position table split over `model` alone
+    made a lookup DTensor refuses (keras-hub's GPT-2 and OPT)."""
     found = []
     for layer in model._flatten_layers():
         if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
