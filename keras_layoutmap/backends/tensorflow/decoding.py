@@ -35,6 +35,7 @@ from keras import tree
 from keras_layoutmap.backends.causal_lm import wrap_when_loaded
 from keras_layoutmap.backends.tensorflow import processes
 from keras_layoutmap.backends.tensorflow.gather import (
+    marked,
     reading,
     relayout,
     stored_layout,
@@ -129,14 +130,8 @@ def gathered_step(model, step, inputs, stop_token_ids):
     pairs = gathered_layouts(model, axes)
     if not pairs or not fits(extra_bytes(pairs)):
         return step(inputs, stop_token_ids)
-    held = {}
-    for variable, layout in pairs:
-        value = relayout(variable.value, layout)
-        try:
-            value._klm_layout = layout  # as `gather.gathered` marks its own
-        except AttributeError:
-            pass
-        held[id(variable)] = value
+    held = {id(variable): marked(relayout(variable.value, layout), layout)
+            for variable, layout in pairs}
     with reading(held):
         outputs = step(inputs, stop_token_ids)
     return outputs

@@ -157,8 +157,7 @@ def wrap_dense_call(original):
         if (axis is None or layout is None or _GATHER_AXIS.get() is not None
                 or axis not in layout.sharding_specs):
             return original(self, inputs, *args, **kwargs)
-        kernel_specs = [dtensor.UNSHARDED if s == axis else s
-                        for s in layout.sharding_specs]
+        kernel_specs = whole_over(layout, (axis,)).sharding_specs
         token = _GATHER_AXIS.set(axis)
         try:
             # Eagerly, only a DTensor has a layout to set; inside a
@@ -196,11 +195,17 @@ def gathered(variable, value):
         gathered_value = dtensor.relayout(value, whole)
     else:
         gathered_value = _relayout(value, whole)
+    return marked(gathered_value, whole)
+
+
+def marked(value, layout):
+    """`value`, a gathered weight, marked with its `layout`
+    (`quantized_float8` keeps it so; an eager tensor takes no mark)."""
     try:
-        gathered_value._klm_layout = whole  # quantized_float8 keeps it so
+        value._klm_layout = layout
     except AttributeError:
         pass
-    return gathered_value
+    return value
 
 
 def whole_over(layout, axes):
