@@ -24,6 +24,11 @@ LAYOUTMAP_VERSION = "0.1.0"  # keep equal to keras_layoutmap.__version__
 # The Keras versions the suite runs on: `keras>=3.15,<3.17` in pyproject.toml.
 # Raise the upper bound only together with a green run on the next release.
 SUPPORTED_KERAS = ((3, 15), (3, 16))  # (major, minor), both inclusive
+# The name of a `keras.random.SeedGenerator`'s state variable (its
+# `(2,)` seed and counter, made in `SeedGenerator.__init__`), the same in
+# 3.15 and 3.16: a random layer's own draws (Dropout, GaussianNoise, the
+# Random* augmentations), never a weight to split.
+SEED_STATE_NAME = "seed_generator_state"
 
 
 def _unsupported_message(found, detail=None):

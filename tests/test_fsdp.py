@@ -303,3 +303,30 @@ def test_min_bytes_zero_shards_every_divisible_weight_batchnorm_included():
     moving_mean = model.get_layer("bn").moving_mean
     assert klm.fetch_layout(moving_mean).sharding_specs == ["batch"]
     assert not np.allclose(moving_mean.numpy(), 0)  # it was updated
+
+
+@pytest.mark.sharding
+@pytest.mark.parametrize("plan", ["fsdp", "rule"])
+def test_a_random_layers_seed_state_is_never_split(plan):
+    """`fsdp(min_bytes=0)` splits every weight the axis divides, and a rule
+    naming the state asks to split it; neither splits a `SeedGenerator`'s (2,)
+    state, which every draw reads whole (JAX refused the draw, torch
+    failed to unbind it)."""
+    mesh = mp_mesh()
+    if plan == "fsdp":
+        layout_map = klm.fsdp(mesh, axis="model", min_bytes=0)
+    else:
+        layout_map = klm.LayoutMap(mesh)
+        layout_map[".*seed_generator_state"] = ("model",)
+    with layout_map.scope():
+        model = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(4, name="d1"),
+            keras.layers.Dropout(0.5, seed=1, name="drop"),
+            keras.layers.RandomFlip(seed=1, name="flip")])
+    states = [v for v in model.variables if "seed_generator_state" in v.path]
+    assert len(states) == 2
+    for state in states:
+        assert klm.fetch_layout(state).is_fully_replicated(), state.path
+    if plan == "fsdp":
+        assert not klm.fetch_layout(model.get_layer("d1").kernel
+                                    ).is_fully_replicated()

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 
 from keras_layoutmap import paths
+from keras_layoutmap.keras_internals import SEED_STATE_NAME
 from keras_layoutmap.layout import Layout, as_layout, check_fits
 from keras_layoutmap.mesh import as_mesh
 from keras_layoutmap.rules import quantized
@@ -78,7 +79,14 @@ def resolve_weight(owner, name, shape, object_path, path, layout_map, mesh,
     returns `(source, layout, choice)`, `choice` being the rule's
     `layout_map.Choice` (None for a kwarg or the default). `dtype` goes to
     the map's default policy (`klm.fsdp` sizes weights by it).
+
+    A random layer's seed state (a `keras.random.SeedGenerator`'s) is
+    always replicated: its two numbers are read whole by every draw, and no
+    rule or policy may split them (`source` None).
     """
+    if name == SEED_STATE_NAME:
+        layout = Layout.replicated(mesh, len(shape))
+        return (None, layout, None) if detail else (None, layout)
     follower = quantized.describe(owner, name, shape)
     if follower is not None:
         found = _follow(follower, owner, name, shape, object_path, path,
