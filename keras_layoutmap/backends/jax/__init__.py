@@ -9,7 +9,12 @@ module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
 
-from keras_layoutmap.backends.jax import initialization, placement, training
+from keras_layoutmap.backends.jax import (
+    convolution,
+    initialization,
+    placement,
+    training,
+)
 from keras_layoutmap.backends.jax import keras_internals as keras_jax
 from keras_layoutmap.backends.jax.handshakes import enter_together  # noqa: F401
 from keras_layoutmap.backends.jax.placement import (  # noqa: F401
@@ -66,6 +71,9 @@ def install():
         if "_direct_assign" in vars(cls):
             cls._direct_assign = placement.wrap_direct_assign(
                 cls._direct_assign)
+    # Convolutions run device by device on a mesh (XLA partitions some of
+    # them wrongly).
+    convolution.install(keras_jax.nn)
     # Weights made under a distribution are born sharded.
     JaxVariable._initialize_with_initializer = (
         initialization.wrap_initialize_with_initializer(

@@ -37,6 +37,8 @@ distribute_data = private("keras.src.backend.jax.trainer:_distribute_data")
 get_distributed_iterator = optional(
     "keras.src.backend.jax.trainer:JAXEpochIterator._get_distributed_iterator")
 
+# `conv`, `depthwise_conv` (and `separable_conv`, which calls both).
+nn = private("keras.src.backend.jax.ops.nn", "keras.src.backend.jax.nn")
 random = private("keras.src.backend.jax.random")
 jax_draw_seed = private("keras.src.backend.jax.random:jax_draw_seed")
 distribution_lib = private("keras.src.backend.jax.distribution_lib")
