@@ -356,6 +356,28 @@ def example(session):
 
 
 @nox.session(python=PYTHON)
+@nox.parametrize("backend", ["jax", "tensorflow", "torch"])
+def sweep(session, backend):
+    """Every Keras layer of tests/layer_sweep.py under every plan on
+    `backend` (torch: 4 processes), compared with one device; the outcomes
+    to tests/data/sweep-<backend>.json, then docs/layers.md from all three
+    (`nox -s sweep`: every backend; `nox -s "sweep(backend='jax')"`: one).
+    Pass `-- --cases Conv2D,LSTM` for some cases (not written)."""
+    _install(session, backend)
+    out = os.path.join("tests", "data", f"sweep-{backend}.json")
+    args = list(session.posargs) or ["--out", out]
+    env = _env(session, backend, fast=True, OMP_NUM_THREADS="1")
+    if backend == "torch":
+        session.run("python", "-m", "keras_layoutmap.launch", "-n",
+                    str(TORCH_PROCESSES), "--log-dir", session.create_tmp(),
+                    "tests/layer_sweep.py", "--devices",
+                    str(TORCH_PROCESSES), *args, env=env)
+    else:
+        session.run("python", "tests/layer_sweep.py", *args, env=env)
+    session.run("python", "tests/layer_sweep.py", "--table", env=env)
+
+
+@nox.session(python=PYTHON)
 def bench(session):
     """The figures of benchmarks/: JAX, TensorFlow (DTensor against
     MirroredStrategy) and the two side by side."""
