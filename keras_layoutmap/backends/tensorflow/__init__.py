@@ -18,8 +18,9 @@ the backend: every process's devices), `slice_updates` / `einsum` /
 `arg_reductions` (keras-hub's `generate()` on a mesh), `decoding` (its
 weights gathered once per call), `quantized_matmul` /
 `quantized_lookup` / `quantized_float8` (quantized layers on a mesh),
-`eager_ops` (Keras ops DTensor refuses eagerly run whole). This
-module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
+`eager_ops` (Keras ops DTensor refuses eagerly run whole), `relayouts`
+(DTensor's relayouts kept off its all-to-all, which misplaces values).
+This module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
 
@@ -40,6 +41,7 @@ from keras_layoutmap.backends.tensorflow import (
     quantized_lookup,
     quantized_matmul,
     random_draws,
+    relayouts,
     slice_updates,
     sparse_updates,
     training,
@@ -86,6 +88,8 @@ def install():
     # their assigns: Adam then reads its moments before this step's update
     # and the first step is lost. Off unless the user chose otherwise.
     os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
+    # ... and its relayouts without all-to-all (see `relayouts`).
+    relayouts.install()
 
     # Keras' TensorFlow distribution module leaves this out ("DO NOT USE").
     keras_tf.distribution_lib.distribute_tensor = placement.distribute_tensor_hook

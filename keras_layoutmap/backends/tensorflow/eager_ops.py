@@ -23,12 +23,21 @@ that runs costs no check. Losses and mean metrics subtract with
 TensorFlow's operators, which no Keras op wraps: their plain labels join
 the mesh before they run.
 
-Inside a `tf.function` nothing changes: there DTensor's rule is that a
-function's inputs are all DTensors or none (see docs/porting.md), and an op
-it has no rule for is an error `fit` explains (`training`).
+Inside a `tf.function` DTensor's rule is that a function's inputs are all
+DTensors or none (see docs/porting.md), and an op it has no rule for is an
+error `fit` explains (`training`). A plain eager tensor that a Keras op
+traced on a mesh reads (a layer's constant: `Normalization(mean=...,
+variance=...)` holds its mean and variance so) would be captured as an
+input of the function, and DTensor refused the step ("got a regular
+tensor for input 2 ... but was expecting a DTensor"): traced inside a call
+of a model whose variables are on a mesh, or in a `fit` / `evaluate` /
+`predict` step on one, the op reads its copy whole on that mesh instead,
+made once per tensor, outside the function (a `tf.data` map it is traced
+in is left alone).
 """
 
 import functools
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -41,6 +50,7 @@ from keras_layoutmap.backends.tensorflow.placement import (
     to_host,
     value_of,
 )
+from keras_layoutmap.backends.tensorflow.training import traced_mesh
 
 REFUSAL = "but was expecting a DTensor"  # DTensor's message, eagerly
 # ... and the words of its refusals of an op's layouts.
@@ -101,13 +111,62 @@ def _refused(error):
         word in str(error) for word in REFUSALS)
 
 
+# id(a plain eager tensor) -> (a weak reference to it, {mesh: its copy}).
+_COPIES = {}
+
+
+def _captured(value):
+    """Whether a `tf.function` being traced would capture `value` as a plain
+    (not DTensor) input: an eager tensor of rank 1 or more."""
+    return (isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value)
+            and value.shape.rank not in (0, None) and not is_dtensor(value))
+
+
+def _copy_on_mesh(value, mesh):
+    """`value` (a plain eager tensor) whole on every device of `mesh`, made
+    eagerly once and kept while `value` lives."""
+    key = id(value)
+    entry = _COPIES.get(key)
+    if entry is None or entry[0]() is not value:
+        entry = (weakref.ref(value, lambda _: _COPIES.pop(key, None)), {})
+        _COPIES[key] = entry
+    copies = entry[1]
+    if mesh not in copies:
+        with tf.init_scope():
+            copies[mesh] = copy_whole_to_mesh(value, mesh)
+    return copies[mesh]
+
+
+def _captured_on_mesh(value, mesh):
+    if isinstance(value, (list, tuple)) and any(map(_captured, value)):
+        return type(value)(_captured_on_mesh(v, mesh) for v in value)
+    return _copy_on_mesh(value, mesh) if _captured(value) else value
+
+
+def _in_traced_step(args, kwargs):
+    """The mesh of the model (or the step) a `tf.function` is tracing on a
+    mesh, where an operand is a plain eager tensor it would capture; else
+    None."""
+    if tf.executing_eagerly() or not any(map(_captured,
+                                             _operands(args, kwargs))):
+        return None
+    return traced_mesh()
+
+
 def wrap_op(original):
     """`original` (a Keras backend op) which, when DTensor refuses it
     eagerly, runs again with its plain operands on the mesh of its DTensor
-    operand, then on plain tensors (its result whole on that mesh)."""
+    operand, then on plain tensors (its result whole on that mesh); traced
+    on a mesh, reads the copies on the mesh of the plain eager tensors it
+    would capture."""
 
     @functools.wraps(original)
     def op(*args, **kwargs):
+        mesh = _in_traced_step(args, kwargs)
+        if mesh is not None:
+            args = tuple(_captured_on_mesh(a, mesh) for a in args)
+            kwargs = {k: _captured_on_mesh(v, mesh) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
         try:
             return original(*args, **kwargs)
         except tf.errors.OpError as e:

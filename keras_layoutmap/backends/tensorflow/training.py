@@ -3,6 +3,7 @@ distribution's data layout for its shape, Keras' own step run in a
 `tf.function` that DTensor expands to every device, predictions gathered to
 the host, and DTensor's layout errors made plain."""
 
+import contextvars
 import functools
 import re
 
@@ -22,6 +23,7 @@ from keras_layoutmap.backends.tensorflow.processes import (
     process_count,
 )
 from keras_layoutmap.backends.tensorflow.random_draws import (
+    _traced_mesh,
     mesh_step,
 )
 from keras_layoutmap.data import distribute as checked_distribute
@@ -66,12 +68,46 @@ def _check_inputs_on_mesh(model, inputs):
             )
 
 
+# The `dtensor.Mesh` of the model whose call a `tf.function` is tracing.
+_MODEL_MESH = contextvars.ContextVar("klm_traced_model_mesh", default=None)
+
+
+def _variables_mesh(model):
+    """The `dtensor.Mesh` the variables of `model` live on, or None."""
+    variables = model.variables
+    layout = getattr(getattr(variables[0], "_value", None), "layout",
+                     None) if variables else None
+    return layout.mesh if isinstance(layout, dtensor.Layout) else None
+
+
+def traced_mesh():
+    """While a `tf.function` is traced: the mesh of the model on a mesh it
+    calls, or of the distribution a `fit` / `evaluate` / `predict` step
+    runs on; None eagerly and off a mesh."""
+    if tf.executing_eagerly():
+        return None
+    mesh = _MODEL_MESH.get()
+    return mesh if mesh is not None else _traced_mesh()
+
+
 def wrap_model_call(original):
+    """Eagerly, inputs checked against the mesh of the model's variables;
+    traced, that mesh said (`traced_mesh`) for the span of the outermost
+    call."""
+
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         if tf.executing_eagerly():
             _check_inputs_on_mesh(self, args)
-        return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+        mesh = None if _MODEL_MESH.get() is not None else _variables_mesh(self)
+        if mesh is None:
+            return original(self, *args, **kwargs)
+        token = _MODEL_MESH.set(mesh)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _MODEL_MESH.reset(token)
 
     return __call__
 
