@@ -17,6 +17,7 @@ from keras_layoutmap.backends.torch import (
     cache_updates,
     convolution,
     decoding,
+    dtensor_rules,
     einsums,
     gradients,
     keras_distribution,
@@ -77,6 +78,9 @@ def install():
         logging.ERROR)
     # A number read from a DTensor is the whole value's (not the piece's).
     scalar_reads.install()
+    # DTensor's rules that would run an op on pieces it cannot (a scan
+    # along a split dim given as negative), read with their dims put right.
+    dtensor_rules.install()
     Variable = keras_torch.Variable
     Variable._initialize = variables.wrap_initialize(Variable._initialize)
     Variable._initialize_with_initializer = (
@@ -144,6 +148,13 @@ def install():
             ("separable_conv", 2, False, 2), ("conv_transpose", 1, False, 3)):
         setattr(keras_torch.nn, name, convolution.wrap_convolution(
             getattr(keras_torch.nn, name), kernels, split, data_format))
+    # name: where data_format stands after the input
+    for name, data_format in (("max_pool", 3), ("average_pool", 3),
+                              ("adaptive_max_pool", 1),
+                              ("adaptive_average_pool", 1)):
+        if hasattr(keras_torch.nn, name):
+            setattr(keras_torch.nn, name, convolution.wrap_pooling(
+                getattr(keras_torch.nn, name), data_format))
     Optimizer = keras_torch.TorchOptimizer
     Optimizer.apply = gradients.wrap_apply(Optimizer.apply)
     Optimizer.scale_loss = local_step.wrap_scale_loss(Optimizer.scale_loss)

@@ -10,6 +10,17 @@ each process looks up the ids that fall in its rows, zeros the others, and
 the pieces are summed over the mesh axes that split the rows. The gradient
 of that sum is the output's gradient on every process (an all-reduce
 forward, the identity backward), as DTensor holds a replicated gradient.
+
+Every other `ops.take` of a DTensor (along another axis, of another rank,
+flattened with `axis=None`) runs on each process's piece too: the split
+along the taken axis (all of it, flattened) is gathered, the other splits
+are kept, the indices are whole, and each process takes from its piece;
+the output is split as the piece's other dimensions were. torch 2.13's
+DTensor got those wrong: `index_select` along a split dim gave a raw
+shape error further on ("mat1 and mat2 shapes cannot be multiplied"), and
+the gradient of an `index_select` of a weight, a pending sum over the
+batch axis, came back as a sum over every axis (`index_add`'s rule: the
+weight's gradient twice what it is, silently).
 """
 
 import functools
@@ -62,6 +73,30 @@ def _row_sharded_lookup(table, ids):
                               shape=shape, stride=contiguous_stride(shape))
 
 
+def _local_take(original, x, indices, axis):
+    """`original(x, indices, axis)` on this process's piece of the DTensor
+    `x`, split as it is except along `axis` (everywhere, for None)."""
+    mesh = x.device_mesh
+    if isinstance(indices, DTensor):
+        indices = indices.full_tensor()
+    indices = convert_to_tensor(indices)
+    if axis is not None:
+        axis = axis % x.ndim
+    target = [p if type(p) is Shard and axis is not None and p.dim != axis
+              else Replicate() for p in x.placements]
+    if tuple(x.placements) != tuple(target):
+        x = x.redistribute(mesh, target)
+    out = original(x.to_local(grad_placements=target), indices, axis=axis)
+    if axis is None:
+        return DTensor.from_local(out, mesh, target, run_check=False)
+    extra = indices.ndim - 1  # the indices' dims replace `axis`
+    places = [Shard(p.dim + extra if p.dim > axis else p.dim)
+              if type(p) is Shard else p for p in target]
+    shape = (*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+    return DTensor.from_local(out.contiguous(), mesh, places, run_check=False,
+                              shape=shape, stride=contiguous_stride(shape))
+
+
 def wrap_take(original):
     @functools.wraps(original)
     def take(x, indices, axis=None):
@@ -73,6 +108,11 @@ def wrap_take(original):
             out = _row_sharded_lookup(x, ids)
             if out is not None:
                 return out
+            # rows whole: DTensor's own lookup is right (and needs no
+            # collective, so a data-parallel call stays on local rows)
+            return original(x, indices, axis=axis)
+        if isinstance(x, DTensor):
+            return _local_take(original, x, indices, axis)
         return original(x, indices, axis=axis)
 
     return take
