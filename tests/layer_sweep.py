@@ -303,6 +303,9 @@ def cases():
         Case("GaussianDropout", vec, seq(dense(4), L("GaussianDropout", 0.3))),
         Case("GaussianNoise", vec, seq(dense(4), L("GaussianNoise", 0.3))),
         Case("AlphaDropout", vec, seq(dense(4), L("AlphaDropout", 0.3))),
+        Case("Dense-L1L2-regularized", vec, L(
+            "Dense", 4, kernel_regularizer="l1l2", bias_regularizer="l2",
+            name="pre")),
         Case("ActivityRegularization", vec, seq(
             dense(4), L("ActivityRegularization", l1=0.01, l2=0.01))),
         # -- recurrent --
@@ -601,6 +604,7 @@ def sweep(backend, plans=PLANS, names=None, out=None):
         reference = one_device(case)
         if isinstance(reference, str):
             results[case.name] = {p: ["n/a", reference] for p in plans}
+            print(f"{case.name:28} all   n/a      {reference}", flush=True)
             continue
         row = {}
         for plan in plans:

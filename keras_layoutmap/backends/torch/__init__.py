@@ -23,6 +23,7 @@ from keras_layoutmap.backends.torch import (
     keras_distribution,
     local_step,
     lookups,
+    mixed_inplace,
     placement,
     random_draws,
     reshapes,
@@ -81,6 +82,8 @@ def install():
     # DTensor's rules that would run an op on pieces it cannot (a scan
     # along a split dim given as negative), read with their dims put right.
     dtensor_rules.install()
+    # `plain += dtensor` (Keras' L1L2 regularizer) computed out of place.
+    mixed_inplace.install()
     Variable = keras_torch.Variable
     Variable._initialize = variables.wrap_initialize(Variable._initialize)
     Variable._initialize_with_initializer = (
