@@ -19,7 +19,11 @@ the backend: every process's devices), `slice_updates` / `einsum` /
 weights gathered once per call), `quantized_matmul` /
 `quantized_lookup` / `quantized_float8` (quantized layers on a mesh),
 `eager_ops` (Keras ops DTensor refuses eagerly run whole), `relayouts`
-(DTensor's relayouts kept off its all-to-all, which misplaces values).
+(DTensor's relayouts kept off its all-to-all, which misplaces values),
+`unsplit_axes` (ops DTensor computes wrongly along a split axis, a
+`Concatenate`'s, that axis gathered first), `time_distributed` and
+`dynamic_slices` (layers whose slices DTensor lays out or computes
+wrongly: `TimeDistributed`, `RandomCrop`).
 This module is the backend interface (see `keras_layoutmap/backends/__init__.py`)
 and `install()`.
 """
@@ -31,6 +35,7 @@ import keras
 from keras_layoutmap.backends.tensorflow import (
     arg_reductions,
     decoding,
+    dynamic_slices,
     eager_ops,
     einsum,
     export,
@@ -44,7 +49,9 @@ from keras_layoutmap.backends.tensorflow import (
     relayouts,
     slice_updates,
     sparse_updates,
+    time_distributed,
     training,
+    unsplit_axes,
 )
 from keras_layoutmap.backends.tensorflow import keras_internals as keras_tf
 from keras_layoutmap.backends.tensorflow import variables as dvariables
@@ -152,6 +159,13 @@ def install():
         module.quantize_and_dequantize = (
             quantized_float8.wrap_quantize_and_dequantize(
                 module.quantize_and_dequantize))
+    # Ops DTensor computes wrongly along a split axis (a Concatenate read
+    # by a head split over its rows): that axis gathered first.
+    unsplit_axes.install(keras_tf.numpy)
+    # ... and TimeDistributed's steps, read without moving the batch's rows.
+    time_distributed.install()
+    # ... and RandomCrop's crop, whose offsets the step draws.
+    dynamic_slices.install()
     Model.__call__ = training.wrap_model_call(Model.__call__)
     # Eager ops DTensor refuses: again with plain operands on the mesh, then
     # on the gathered values.

@@ -175,32 +175,132 @@ _WHERE_OPS_COME_FROM = {
 }
 
 
-def _run_step(model, step, data):
-    """`step(data)` on the mesh, with DTensor's layout errors made plain."""
+# The op DTensor's SPMD expansion failed on: `... see current operation:
+# %5 = "tf.ConcatV2"(...)` (`%6:2 = ...` for several results).
+_CURRENT_OP = re.compile(r'see current operation: %[\w#]+(?::\d+)? = "(tf\.\w+)"')
+# DTensor's own ops, which no Keras layer emits.
+_DTENSOR_OPS = ("tf.DTensorLayout", "tf.Relayout", "tf.RelayoutLike",
+                "tf.CopyToMesh", "tf.CopyToMeshGrad")
+_GRADIENT_SCOPES = ("gradient_tape", "gradients")
+
+
+def _graph_nodes(graph_of):
+    """`(op type, node name)` of each node of the step's traced graph and
+    of the functions it calls; nothing where it cannot be had."""
+    try:
+        graph_def = graph_of().as_graph_def()
+    except Exception:  # noqa: BLE001 (only a better message is at stake)
+        return
+    for node in graph_def.node:
+        yield node.op, node.name
+    for function in graph_def.library.function:
+        for node in function.node_def:
+            yield node.op, node.name
+
+
+def _layer_named(scope, layers):
+    """The layer a name scope of the traced step stands for: its name, or
+    its name with the suffixes TensorFlow adds to a scope used again
+    (`concatenate_1_1`), shortest last; None if none."""
+    candidate = scope
+    while True:
+        if candidate in layers:
+            return layers[candidate]
+        stripped = re.sub(r"_\d+$", "", candidate)
+        if stripped == candidate:
+            return None
+        candidate = stripped
+
+
+def layers_emitting(model, op, graph_of):
+    """`[(layer, in_gradient)]`: the Keras layers of `model` whose name
+    scopes hold an op of type `op` (`"tf.ConcatV2"`) in the traced step
+    (`graph_of()`: its graph), innermost layer of each op's scopes, in
+    graph order, the outermost of layers found inside one another;
+    `in_gradient` whether every such op is in the gradient. Read on the
+    error path only."""
+    op_type = op.removeprefix("tf.")
+    layers = {layer.name: layer for layer in model._flatten_layers(
+        include_self=False)}
+    found = {}
+    for node_op, name in _graph_nodes(graph_of):
+        if node_op != op_type:
+            continue
+        scopes = name.split("/")[:-1]
+        gradient = bool(scopes) and scopes[0] in _GRADIENT_SCOPES
+        for scope in reversed(scopes):
+            layer = _layer_named(scope, layers)
+            if layer is not None:
+                _, was = found.get(layer.name, (layer, True))
+                found[layer.name] = (layer, was and gradient)
+                break
+    # A layer inside another found one (an LSTM's cell) is the outer's op.
+    inner = {id(sub) for layer, _ in found.values()
+             for sub in layer._flatten_layers(include_self=False)}
+    return [(layer, gradient) for layer, gradient in found.values()
+            if id(layer) not in inner]
+
+
+def _emitted_by(model, op, graph_of):
+    """The sentence naming the layers that emit `op`, or ''."""
+    if graph_of is None or op is None or op in _DTENSOR_OPS:
+        return ""
+    found = layers_emitting(model, op, graph_of)
+    if not found:
+        return ""
+    names = ", ".join(
+        f"'{layer.name}' ({type(layer).__name__}"
+        f"{', in its gradient' if gradient else ''})"
+        for layer, gradient in found)
+    return (f" The op '{op}' comes from layer{'s' if len(found) > 1 else ''} "
+            f"{names}.")
+
+
+def _run_step(model, step, data, graph_of=None):
+    """`step(data)` on the mesh, with DTensor's layout errors made plain:
+    the op, the Keras layers that emit it (`graph_of()`: the traced step's
+    graph, read only then) and what to do."""
     try:
         with mesh_step():
             return step(data)
     except tf.errors.OpError as error:
         message = str(error)
+        if graph_of is None and hasattr(step, "get_concrete_function"):
+            def graph_of():
+                with mesh_step():  # the trace `step(data)` made, cached
+                    return step.get_concrete_function(data).graph
         missing = _NO_LAYOUT_RULE.search(message)
         if missing:
             op = missing.group(1)
+            hint = _WHERE_OPS_COME_FROM.get(op, "")
             raise ValueError(
                 f"DTensor cannot run a step of model '{model.name}' on a mesh: "
                 f"it has no layout rule for the op '{op}'"
-                f"{_WHERE_OPS_COME_FROM.get(op, '')}. JAX and torch run such "
-                "a model on a mesh."
+                f"{hint}.{_emitted_by(model, op, graph_of)} TensorFlow runs "
+                "no plan that splits that op's operands (data parallel "
+                f"included): {'change the layer as said, or ' if hint else ''}"
+                "train on JAX or torch, which run such a model on a mesh."
             ) from error
         if "SPMD expansion" not in message and "spmd_expander" not in message:
             raise
         reason = message.split("error: ", 1)[-1].split("\n", 1)[0]
+        current = _CURRENT_OP.search(message)
+        op = current.group(1) if current else None
+        emitted = _emitted_by(model, op, graph_of)
+        if emitted:
+            what = (" Give those layers' weights, or the weights of the "
+                    "layers next to them, whole layouts (a LayoutMap rule "
+                    "of None for each dimension), or train under "
+                    "klm.DataParallel, which keeps every weight whole.")
+        else:
+            what = ""
         raise ValueError(
             f"DTensor cannot run a step of model '{model.name}' with the "
-            f"layouts it was given: {reason} TensorFlow runs only the "
-            "combinations its SPMD expansion supports (JAX reshards instead); "
-            "for a matmul, shard the contracting dimension of both operands on "
-            "the same mesh axis, or on none. See the layouts with "
-            "klm.explain(model)."
+            f"layouts it was given: {reason}{emitted} TensorFlow runs only "
+            "the combinations its SPMD expansion supports (JAX reshards "
+            f"instead).{what} For a matmul, shard the contracting dimension "
+            "of both operands on the same mesh axis, or on none. See the "
+            "layouts with klm.explain(model)."
         ) from error
 
 
@@ -261,8 +361,14 @@ def wrap_make_predict_function(original):
             dist = mesh_distribution()
             if dist is None:
                 return keras_function(data)
-            outputs = _run_step(self, keras_function,
-                                [_pack_batch(d, dist) for d in data])
+            packed = [_pack_batch(d, dist) for d in data]
+
+            def graph_of():  # the error path only: a trace of the step
+                step = tf.function(self.predict_step, reduce_retracing=False)
+                with mesh_step():
+                    return step.get_concrete_function(packed[0]).graph
+
+            outputs = _run_step(self, keras_function, packed, graph_of)
             return tree.map_structure(to_host, outputs)
 
         self.predict_function = predict_function

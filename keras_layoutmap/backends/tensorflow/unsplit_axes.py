@@ -1,0 +1,171 @@
+"""Ops DTensor computes wrongly along a split axis: that axis gathered
+first.
+
+DTensor lays out a whole step at once, gradients included, and gives an
+op's output the layout its consumers want. TensorFlow 2.21's rule for
+`ConcatV2` then concatenates along a split axis without moving a value
+when the axis is negative, as Keras passes it (`Concatenate(axis=-1)`):
+each device concatenates its own pieces, so the output's columns are
+interleaved (`[a0, b0 | a1, b1]` where one device holds `[a0, a1 | b0,
+b1]`), silently. Given as positive, the same axis is refused ("Concat op
+SPMD with concat dimension in sharded dimension is not supported"). A
+`Concatenate` of two `Dense` whose kernels are split over `model` on their
+output columns, read by a head whose rows are split over `model` (the auto
+plan's column/row pair) trained to other weights than one device, its
+loss wrong from the first step (1.82 for 2.65): the head's kernel gradient
+wants the concatenated activations split along the concatenated axis.
+Eagerly DTensor lays the output out from the operands alone and
+concatenates right.
+
+DTensor's `Pack` (`ops.stack`) refused a result its consumers want split
+along the new axis ("SPMD expansion resulted in op output inconsistent
+with the provided layout"): `TimeDistributed`'s steps stacked on the time
+axis, flattened into a head split over its rows (the auto plan).
+
+So while a step on a mesh is traced (`training.traced_mesh`), an op in
+`RULES` sees its axis made non-negative, and its operands and its result
+relayouted with that axis unsplit (`unsplit`); the relayouts' own
+gradients take the gradient back to each operand's layout. A relayout
+needs a layout for every dimension: the first other than the axis (a
+batch's rows) is split over the distribution's batch axis, any other is
+gathered too (a spatial split of the images a `Concatenate` joins over
+channels); DTensor moves the values to whatever layout comes next.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_layoutmap.backends.tensorflow.placement import mesh_distribution
+
+# Dtypes DTensor's collectives do not move: moved as int32, exactly.
+_WIDENED = (tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16)
+
+
+# Ops DTensor has no layout rule for (`tf.reverse`, the loops of Keras'
+# recurrent layers): next to them a relayout crashed DTensor's layout
+# propagation (a segmentation fault, not its clear refusal of the op), in
+# `Bidirectional(LSTM(4))`'s step under data parallel.
+_NO_RULE = ("ReverseV2", "While", "StatelessWhile")
+
+
+def _mesh():
+    """The `dtensor.Mesh` of the step (or model call) being traced on a
+    mesh, or None: eagerly, off a mesh, and where the graph traced so far
+    holds an op of `_NO_RULE` (DTensor then refuses the step, clearly, as
+    without the relayouts)."""
+    from keras_layoutmap.backends.tensorflow.training import traced_mesh
+    mesh = traced_mesh()
+    if mesh is None:
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    if any(op.type in _NO_RULE or op.type.startswith("TensorList")
+           for op in graph.get_operations()):
+        return None
+    return mesh
+
+
+def _rows_spec(mesh, rows):
+    """The mesh axis a tensor's first dimension (`rows` long), a batch's
+    rows, keeps: the distribution's batch axis where it divides them, else
+    none (a model called in a `tf.function` of one's own, off any
+    distribution: the rows are gathered too)."""
+    axis = getattr(mesh_distribution(), "batch_dim_name", None)
+    if axis is None or axis not in mesh.dim_names or rows is None:
+        return dtensor.UNSHARDED
+    return axis if rows % mesh.dim_size(axis) == 0 else dtensor.UNSHARDED
+
+
+def unsplit_specs(shape, axes, mesh):
+    """The sharding specs of a relayout of a tensor of `shape` that leaves
+    the dimensions `axes` unsplit: the first other dimension split over
+    the batch axis (`_rows_spec`), every other unsplit. Not
+    `dtensor.MATCH`: DTensor's layout propagation crashed the process
+    (a segmentation fault) on it where the operand has no layout (the
+    output of an op it has no rule for: a `Bidirectional` layer's
+    `tf.reverse`, which is then refused with a clear error)."""
+    keep = next((d for d in range(len(shape)) if d not in axes), None)
+    return [_rows_spec(mesh, shape[d]) if d == keep else dtensor.UNSHARDED
+            for d in range(len(shape))]
+
+
+def unsplit(x, axes, mesh):
+    """`x` relayouted on `mesh` with the dimensions `axes` unsplit (see
+    `unsplit_specs`); a tensor of unknown rank, or a scalar, as it is."""
+    rank = x.shape.rank
+    if not rank:
+        return x
+    layout = dtensor.Layout(unsplit_specs(x.shape.as_list(), axes, mesh), mesh)
+    if x.dtype in _WIDENED:
+        return tf.cast(dtensor.relayout(tf.cast(x, tf.int32), layout), x.dtype)
+    return dtensor.relayout(x, layout)
+
+
+def _axis(axis, rank):
+    """`axis` (an int) as a non-negative dimension of rank `rank`, or None
+    where it is not one."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or rank is None:
+        return None
+    return axis % rank if -rank <= axis < rank else None
+
+
+def wrap_concatenate(original):
+    """Keras' TensorFlow `numpy.concatenate(xs, axis=0)`: traced on a
+    mesh, its operands and its result unsplit along a non-negative
+    `axis`."""
+
+    @functools.wraps(original)
+    def concatenate(xs, axis=0):
+        mesh = _mesh()
+        if mesh is None or not isinstance(xs, (list, tuple)) or not xs or any(
+                isinstance(x, (tf.SparseTensor, tf.RaggedTensor)) for x in xs):
+            return original(xs, axis=axis)
+        xs = [keras.ops.convert_to_tensor(x) for x in xs]
+        dim = _axis(axis, xs[0].shape.rank)
+        if dim is None:
+            return original(xs, axis=axis)
+        xs = [unsplit(x, (dim,), mesh) for x in xs]
+        return unsplit(original(xs, axis=dim), (dim,), mesh)
+
+    return concatenate
+
+
+def wrap_stack(original):
+    """Keras' TensorFlow `numpy.stack(x, axis=0)`: traced on a mesh, its
+    result unsplit along the new `axis` (made non-negative), its operands
+    laid out to match. DTensor's `Pack` refused a result its consumers
+    want split along the new axis ("SPMD expansion resulted in op output
+    inconsistent with the provided layout"): `TimeDistributed`'s steps,
+    stacked on the time axis, flattened into a head split over its
+    rows."""
+
+    @functools.wraps(original)
+    def stack(x, axis=0):
+        mesh = _mesh()
+        if mesh is None or not isinstance(x, (list, tuple)) or not x or any(
+                isinstance(a, (tf.SparseTensor, tf.RaggedTensor)) for a in x):
+            return original(x, axis=axis)
+        x = [keras.ops.convert_to_tensor(a) for a in x]
+        rank = x[0].shape.rank
+        dim = _axis(axis, None if rank is None else rank + 1)
+        if dim is None:
+            return original(x, axis=axis)
+        # Each operand's first dimension keeps its layout, as the result's
+        # first dimension other than the new one does.
+        x = [unsplit(a, (), mesh) for a in x]
+        return unsplit(original(x, axis=dim), (dim,), mesh)
+
+    return stack
+
+
+# The Keras TensorFlow ops made to run unsplit along their axis:
+# {name in keras_tf.numpy: wrapper}.
+RULES = {"concatenate": wrap_concatenate, "stack": wrap_stack}
+
+
+def install(numpy):
+    """Wrap each op of `RULES` in Keras' TensorFlow `numpy` module."""
+    for name, wrap in RULES.items():
+        setattr(numpy, name, wrap(getattr(numpy, name)))
