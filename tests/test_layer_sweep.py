@@ -71,3 +71,12 @@ def test_every_recorded_cell_that_fails_is_declared(name):
 def test_the_table_is_the_recorded_sweep():
     from layer_sweep import TABLE, table
     assert TABLE.read_text() == table(), "run: python tests/layer_sweep.py --table"
+
+
+def test_every_declared_cell_names_a_case_and_a_plan():
+    from layer_sweep import KNOWN, PLANS
+    names = set(by_name())
+    for known in KNOWN:
+        assert set(known.cases) <= names, set(known.cases) - names
+        assert set(known.plans) <= set(PLANS), known.plans
+        assert known.word in ("refused", "wrong", "raw"), known.word
