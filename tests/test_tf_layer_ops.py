@@ -22,16 +22,19 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from helpers import BACKEND, DEVICES, assert_same_weights, mp_mesh
-from tensorflow.experimental import dtensor
 
 import keras_layoutmap as klm
+
+if BACKEND != "tensorflow":  # (tensorflow is not installed beside the others)
+    pytest.skip("TensorFlow backend only", allow_module_level=True)
+
+import tensorflow as tf  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
 
 pytestmark = [
     pytest.mark.sharding,
     pytest.mark.training,
-    pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow backend only"),
 ]
 
 RELAYOUT = "DTENSOR_USE_ALL_TO_ALL_RELAYOUT"
