@@ -24,6 +24,7 @@ import functools
 
 import keras
 
+from keras_layoutmap.backends.tensorflow import unsplit_axes
 from keras_layoutmap.backends.tensorflow.placement import runs_on_mesh
 
 
@@ -54,7 +55,9 @@ def wrap_call(original):
                 kwargs["training"] = training
             return self.layer.call(inputs[:, t], **kwargs)
 
-        return keras.ops.stack([step(t) for t in range(steps)], axis=1)
+        outputs = [step(t) for t in range(steps)]
+        with unsplit_axes.relayouted():
+            return keras.ops.stack(outputs, axis=1)
 
     return call
 

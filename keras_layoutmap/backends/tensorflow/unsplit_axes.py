@@ -23,7 +23,9 @@ with the provided layout"): `TimeDistributed`'s steps stacked on the time
 axis, flattened into a head split over its rows (the auto plan).
 
 So while a step on a mesh is traced (`training.traced_mesh`), an op in
-`RULES` sees its axis made non-negative, and its operands and its result
+`RULES` sees its axis made non-negative (DTensor then computes it right or
+refuses it clearly); in Keras' `Concatenate` layer and `TimeDistributed`'s
+stack of its steps (`relayouted`), its operands and its result are also
 relayouted with that axis unsplit (`unsplit`); the relayouts' own
 gradients take the gradient back to each operand's layout. A relayout
 needs a layout for every dimension: the first other than the axis (a
@@ -32,6 +34,8 @@ gathered too (a spatial split of the images a `Concatenate` joins over
 channels); DTensor moves the values to whatever layout comes next.
 """
 
+import contextlib
+import contextvars
 import functools
 
 import keras
@@ -39,6 +43,35 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_layoutmap.backends.tensorflow.placement import mesh_distribution
+
+# Whether the ops of `RULES` relayout their operands (`relayouted`): in
+# Keras' `Concatenate` layer and `TimeDistributed`'s stack of its steps,
+# a model's own joins of activations. Elsewhere (keras-hub's rotary
+# embedding, the quantized layers' own concatenations) relayouting their
+# other dimensions made DTensor refuse Gemma's step under its recipe and
+# a LoRA int8 fit ("EmitAllScatter was passed a desired_layout", "input
+# and output layout do not agree"): there `concatenate` only reads a
+# non-negative axis, which DTensor computes right or refuses clearly.
+_RELAYOUT = contextvars.ContextVar("klm_unsplit_relayout", default=False)
+
+
+@contextlib.contextmanager
+def relayouted():
+    token = _RELAYOUT.set(True)
+    try:
+        yield
+    finally:
+        _RELAYOUT.reset(token)
+
+
+def wrap_merge_function(original):
+    """`Concatenate._merge_function`: its concatenate `relayouted`."""
+    @functools.wraps(original)
+    def merge(self, inputs):
+        with relayouted():
+            return original(self, inputs)
+    return merge
+
 
 # Dtypes DTensor's collectives do not move: moved as int32, exactly.
 _WIDENED = (tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16)
@@ -126,6 +159,9 @@ def wrap_concatenate(original):
         dim = _axis(axis, xs[0].shape.rank)
         if dim is None:
             return original(xs, axis=axis)
+        if not _RELAYOUT.get():
+            # the axis as DTensor reads it right (or refuses, clearly)
+            return original(xs, axis=dim)
         xs = [unsplit(x, (dim,), mesh) for x in xs]
         return unsplit(original(xs, axis=dim), (dim,), mesh)
 
@@ -150,7 +186,7 @@ def wrap_stack(original):
         x = [keras.ops.convert_to_tensor(a) for a in x]
         rank = x[0].shape.rank
         dim = _axis(axis, None if rank is None else rank + 1)
-        if dim is None:
+        if dim is None or not _RELAYOUT.get():
             return original(x, axis=axis)
         # Each operand's first dimension keeps its layout, as the result's
         # first dimension other than the new one does.
@@ -166,6 +202,9 @@ RULES = {"concatenate": wrap_concatenate, "stack": wrap_stack}
 
 
 def install(numpy):
-    """Wrap each op of `RULES` in Keras' TensorFlow `numpy` module."""
+    """Wrap each op of `RULES` in Keras' TensorFlow `numpy` module, and
+    Keras' `Concatenate` layer's merge."""
     for name, wrap in RULES.items():
         setattr(numpy, name, wrap(getattr(numpy, name)))
+    layer = keras.layers.Concatenate
+    layer._merge_function = wrap_merge_function(layer._merge_function)
