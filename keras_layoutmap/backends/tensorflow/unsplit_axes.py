@@ -136,6 +136,15 @@ def unsplit(x, axes, mesh):
     return dtensor.relayout(x, layout)
 
 
+def _dense(xs):
+    """The operands `xs` of a join as tensors, or None where they are not
+    a non-empty list of dense ones (Keras' own op takes those)."""
+    if not isinstance(xs, (list, tuple)) or not xs or any(
+            isinstance(x, (tf.SparseTensor, tf.RaggedTensor)) for x in xs):
+        return None
+    return [keras.ops.convert_to_tensor(x) for x in xs]
+
+
 def _axis(axis, rank):
     """`axis` (an int) as a non-negative dimension of rank `rank`, or None
     where it is not one."""
@@ -151,19 +160,19 @@ def wrap_concatenate(original):
 
     @functools.wraps(original)
     def concatenate(xs, axis=0):
-        mesh = _mesh()
-        if mesh is None or not isinstance(xs, (list, tuple)) or not xs or any(
-                isinstance(x, (tf.SparseTensor, tf.RaggedTensor)) for x in xs):
+        from keras_layoutmap.backends.tensorflow.training import traced_mesh
+        dense = _dense(xs) if traced_mesh() is not None else None
+        if dense is None:
             return original(xs, axis=axis)
-        xs = [keras.ops.convert_to_tensor(x) for x in xs]
-        dim = _axis(axis, xs[0].shape.rank)
+        dim = _axis(axis, dense[0].shape.rank)
         if dim is None:
-            return original(xs, axis=axis)
-        if not _RELAYOUT.get():
+            return original(dense, axis=axis)
+        mesh = _mesh() if _RELAYOUT.get() else None
+        if mesh is None:
             # the axis as DTensor reads it right (or refuses, clearly)
-            return original(xs, axis=dim)
-        xs = [unsplit(x, (dim,), mesh) for x in xs]
-        return unsplit(original(xs, axis=dim), (dim,), mesh)
+            return original(dense, axis=dim)
+        dense = [unsplit(x, (dim,), mesh) for x in dense]
+        return unsplit(original(dense, axis=dim), (dim,), mesh)
 
     return concatenate
 
@@ -179,19 +188,18 @@ def wrap_stack(original):
 
     @functools.wraps(original)
     def stack(x, axis=0):
-        mesh = _mesh()
-        if mesh is None or not isinstance(x, (list, tuple)) or not x or any(
-                isinstance(a, (tf.SparseTensor, tf.RaggedTensor)) for a in x):
+        mesh = _mesh() if _RELAYOUT.get() else None
+        dense = _dense(x) if mesh is not None else None
+        if dense is None:
             return original(x, axis=axis)
-        x = [keras.ops.convert_to_tensor(a) for a in x]
-        rank = x[0].shape.rank
+        rank = dense[0].shape.rank
         dim = _axis(axis, None if rank is None else rank + 1)
-        if dim is None or not _RELAYOUT.get():
-            return original(x, axis=axis)
+        if dim is None:
+            return original(dense, axis=axis)
         # Each operand's first dimension keeps its layout, as the result's
         # first dimension other than the new one does.
-        x = [unsplit(a, (), mesh) for a in x]
-        return unsplit(original(x, axis=dim), (dim,), mesh)
+        dense = [unsplit(a, (), mesh) for a in dense]
+        return unsplit(original(dense, axis=dim), (dim,), mesh)
 
     return stack
 
