@@ -74,7 +74,7 @@ def _with_dim_normalized(rule, position):
                 schema_info=op_schema.schema_info)
         return rule(op_schema)
 
-    strategy._klm_normalizes_dim = True
+    strategy._klm_wrapped = True
     return strategy
 
 
@@ -82,22 +82,28 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default)
 _UNEVEN_VIEW = "Cannot unflatten unevenly sharded tensor"
 
 
-def _gathering_where_uneven(rule, copy_rule):
-    """`rule` (a view's); where it refuses an uneven unflatten,
-    `copy_rule`'s plan (the same view as a copy, which asks for the
-    split that does not divide to be gathered)."""
+def _on_refusal(rule, refusal, fallback):
+    """`rule` (a DTensor strategy function of an `OpSchema`); where it
+    refuses with an error saying `refusal`, `fallback(op_schema)`'s plan."""
 
     @functools.wraps(rule)
     def strategy(op_schema):
         try:
             return rule(op_schema)
         except RuntimeError as error:
-            if _UNEVEN_VIEW not in str(error):
+            if refusal not in str(error):
                 raise
-        return copy_rule(op_schema)
+        return fallback(op_schema)
 
-    strategy._klm_gathers_uneven = True
+    strategy._klm_wrapped = True
     return strategy
+
+
+def _gathering_where_uneven(rule, copy_rule):
+    """`rule` (a view's); where it refuses an uneven unflatten,
+    `copy_rule`'s plan (the same view as a copy, which asks for the
+    split that does not divide to be gathered)."""
+    return _on_refusal(rule, _UNEVEN_VIEW, copy_rule)
 
 
 _UNBIND_REFUSED = "Attempted to unbind along the sharded dimension"
@@ -132,19 +138,12 @@ def _unbinding_whole(rule):
     """`rule` (unbind's); where it refuses a split unbind dim, its plan
     for that dim whole."""
 
-    @functools.wraps(rule)
-    def strategy(op_schema):
-        try:
-            return rule(op_schema)
-        except RuntimeError as error:
-            if _UNBIND_REFUSED not in str(error):
-                raise
+    def whole(op_schema):
         args = op_schema.args_schema
         dim = args[1] if len(args) > 1 else 0
         return rule(_whole_along(op_schema, dim % max(args[0].ndim, 1)))
 
-    strategy._klm_unbinds_whole = True
-    return strategy
+    return _on_refusal(rule, _UNBIND_REFUSED, whole)
 
 
 def install():
@@ -155,16 +154,16 @@ def install():
         return
     for op, position in _DIM_AT.items():
         rule = rules.get(op)
-        if rule is not None and not getattr(rule, "_klm_normalizes_dim", False):
+        if rule is not None and not getattr(rule, "_klm_wrapped", False):
             rules[op] = _with_dim_normalized(rule, position)
     copy_rule = rules.get(aten.view_copy.default)
     for op in _VIEWS:
         rule = rules.get(op)
         if (rule is not None and copy_rule is not None
-                and not getattr(rule, "_klm_gathers_uneven", False)):
+                and not getattr(rule, "_klm_wrapped", False)):
             rules[op] = _gathering_where_uneven(rule, copy_rule)
     rule = rules.get(aten.unbind.int)
-    if rule is not None and not getattr(rule, "_klm_unbinds_whole", False):
+    if rule is not None and not getattr(rule, "_klm_wrapped", False):
         rules[aten.unbind.int] = _unbinding_whole(rule)
     cache = getattr(propagator, "propagate_op_sharding", None)
     if hasattr(cache, "cache_clear"):  # rules read before: read again
