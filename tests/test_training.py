@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import (
     DEVICES,
+    REORDER_ATOL,
     assert_same_history,
     assert_same_weights,
     compile_classifier,
@@ -61,6 +62,34 @@ def single(digits):
     model = build()
     history = train(model, digits)
     return model, history
+
+
+def reordered_within_batches(x, y, seed):
+    """`x`, `y` with the rows of each training batch permuted (the
+    validation rows, those after the first 80 % (Keras' `validation_split`
+    rounds the training rows down), as they were): the same batches, each
+    summed in another order."""
+    x, y = x.copy(), y.copy()
+    rng = np.random.default_rng(seed)
+    train = int(len(x) * 0.8)
+    for start in range(0, train, BATCH):
+        rows = start + rng.permutation(min(BATCH, train - start))
+        x[start:start + len(rows)], y[start:start + len(rows)] = x[rows], y[rows]
+    return x, y
+
+
+def test_weight_tolerance_covers_a_reordered_sum(digits, single):
+    """One device, the same batches with their rows permuted: the weights
+    move, by rounding only, and stay within `REORDER_ATOL` of the
+    unpermuted run (the tolerance every mesh-against-one-device comparison
+    of weights uses)."""
+    moved = []
+    for seed in (0, 1):
+        model = build()
+        train(model, reordered_within_batches(*digits, seed))
+        moved.append(max(float(np.max(np.abs(a - b))) for a, b in
+                         zip(weights(model), weights(single[0]))))
+    assert 0 < max(moved) < REORDER_ATOL, moved
 
 
 def test_model_parallel_matches_single_device(digits, single):
