@@ -11,6 +11,7 @@ from keras_layoutmap import backends, strict
 from keras_layoutmap.keras_internals import KerasDistribution as _KerasDistribution
 from keras_layoutmap.layout import Layout
 from keras_layoutmap.mesh import as_mesh, list_devices
+from keras_layoutmap.rules.config import synced_from_keras
 from keras_layoutmap.rules.resolve import creating_layer, resolve_weight, weight_keys
 from keras_layoutmap.rules.rule_map import RuleMap
 
@@ -196,7 +197,9 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
                  auto_shard_dataset=True, **kwargs):
         if layout_map is not None and not isinstance(layout_map, RuleMap):
             if isinstance(layout_map, keras_distribution.LayoutMap):
-                layout_map = RuleMap.from_keras(layout_map)
+                # Read live: a rule added to the Keras map later applies.
+                self.__dict__["_klm_keras_map"] = layout_map
+                layout_map = synced_from_keras(RuleMap, self, layout_map)
             else:
                 raise TypeError(
                     "`layout_map` must be a `klm.LayoutMap`. Received: "
@@ -220,6 +223,20 @@ class ModelParallel(_Resolving, keras_distribution.ModelParallel):
             **kwargs,
         )
         self.layout_map = layout_map
+
+    @property
+    def layout_map(self):
+        """The rules: the `klm.LayoutMap` given, or those of the
+        `keras.distribution.LayoutMap` given, as it stands now."""
+        keras_map = self.__dict__.get("_klm_keras_map")
+        if keras_map is not None:
+            return synced_from_keras(RuleMap, self, keras_map)
+        return self.__dict__.get("_klm_layout_map")
+
+    @layout_map.setter
+    def layout_map(self, value):
+        if self.__dict__.get("_klm_keras_map") is None:
+            self.__dict__["_klm_layout_map"] = value
 
     def get_tensor_layout(self, path):
         """The layout of the tensor Keras names `path`: a layer's output,

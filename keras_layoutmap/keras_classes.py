@@ -4,11 +4,13 @@ Code written for the Keras distribution guide or keras-hub's recipes holds
 Keras' classes: `keras.distribution.DataParallel`, `ModelParallel` (with a
 `keras.distribution.LayoutMap`). After `import keras_layoutmap`, making one
 current (`keras.distribution.set_distribution(d)` or `with d.scope():`)
-makes current the klm distribution with the same mesh, batch axis, dataset
-sharding and rules instead, so there is one code path whichever class a
-user holds: exact short batches, per-process data, every backend. A Keras
-`LayoutMap` keeps Keras' meaning: a rule matches anywhere in a weight's
-path (`re.search`), an exact key first.
+makes current a klm distribution that reads the Keras object's mesh, batch
+axis, dataset sharding and rules live instead, so there is one code path
+whichever class a user holds: exact short batches, per-process data, every
+backend. A Keras `LayoutMap`'s rule matches anywhere in a weight's path
+(`re.search`), an exact key first, the first match winning; plain Keras
+fullmatches and refuses two matches (docs/keras-distribution.md says why
+klm differs).
 
 Example:
 
@@ -25,6 +27,7 @@ import keras
 from keras import distribution as keras_distribution
 
 from keras_layoutmap.distributions import DataParallel, ModelParallel, _Resolving
+from keras_layoutmap.keras_internals import KerasDistribution as _KerasDistribution
 from keras_layoutmap.keras_internals import TFDatasetAdapter, global_state
 from keras_layoutmap.keras_internals import (
     distribution_module as distribution_lib,
@@ -34,16 +37,86 @@ from keras_layoutmap.keras_internals import (
 )
 from keras_layoutmap.keras_internals import tf_dataset_split as _tf_dataset_split
 from keras_layoutmap.layout import Layout
+from keras_layoutmap.mesh import live_mesh
+from keras_layoutmap.rules.config import synced_from_keras
 from keras_layoutmap.rules.rule_map import RuleMap
 
 
-def _rules_key(layout_map):
-    return tuple((k, tuple(v.axes)) for k, v in layout_map._layout_map.items())
+class _Live:
+    """An attribute of a klm distribution that runs a Keras one, read from
+    (and written to) the Keras object each time: the Keras object is the
+    truth. `convert` maps what the Keras object holds to what klm uses."""
+
+    def __init__(self, name, convert=None):
+        self.name, self.convert = name, convert
+
+    def __get__(self, view, owner=None):
+        if view is None:
+            return self
+        value = getattr(view.__dict__["_klm_keras"], self.name)
+        return value if self.convert is None else self.convert(value)
+
+    def __set__(self, view, value):
+        setattr(view.__dict__["_klm_keras"], self.name, value)
+
+
+class _KerasView:
+    """A klm distribution running a Keras `DataParallel` or `ModelParallel`
+    (`_klm_keras`): its mesh, batch axis and `auto_shard_dataset` are the
+    Keras object's, read live, so a setting changed after first use (as
+    Keras' own error for per-process numpy prescribes:
+    `distribution.auto_shard_dataset = False`) takes effect at the next use.
+    One view a Keras object, so models that remember it see the change."""
+
+    _device_mesh = _Live("_device_mesh", live_mesh)
+    _batch_dim_name = _Live("_batch_dim_name")
+    _auto_shard_dataset = _Live("_auto_shard_dataset")
+
+    def __init__(self, keras_distribution_object):
+        self.__dict__["_klm_keras"] = keras_distribution_object
+        source = keras_distribution_object
+        # Keras' own `Distribution.__init__` (process count and id); the
+        # three attributes it sets write through to the Keras object.
+        _KerasDistribution.__init__(self, source.device_mesh,
+                                    source.batch_dim_name,
+                                    source.auto_shard_dataset)
+
+
+class _KerasDataParallel(_KerasView, DataParallel):
+    """`keras.distribution.DataParallel` as klm's, read live."""
+
+
+class _KerasModelParallel(_KerasView, ModelParallel):
+    """`keras.distribution.ModelParallel` as klm's: its `LayoutMap`'s rules
+    converted to klm's (`RuleMap.from_keras`, matching anywhere in a
+    path), converted again whenever a rule, a rule's layout or a mesh
+    changes (an entry added or deleted after first use applies to the
+    next weight placed)."""
+
+    def __init__(self, keras_distribution_object):
+        super().__init__(keras_distribution_object)
+        _ = self.layout_map  # a rule that is not a regex: refused now
+
+    @property
+    def layout_map(self):
+        return synced_from_keras(RuleMap, self,
+                                 self.__dict__["_klm_keras"]._layout_map,
+                                 self.device_mesh)
+
+    _layout_map = layout_map
+
+
+# Errors and reprs name the class the user holds.
+for _view, _name in ((_KerasDataParallel, "DataParallel"),
+                     (_KerasModelParallel, "ModelParallel")):
+    _view.__name__ = _view.__qualname__ = _name
 
 
 def as_klm(value):
     """The klm distribution that runs `value` (a Keras distribution); a klm
-    distribution or None as it is. Raises `TypeError` for anything else."""
+    distribution or None as it is. Raises `TypeError` for anything else.
+    A Keras `DataParallel` or `ModelParallel` runs as one view of it,
+    the same each time, that reads the Keras object live (`_KerasView`)."""
     if value is None or isinstance(value, _Resolving):
         return value
     if not isinstance(value, distribution_lib.Distribution):
@@ -57,27 +130,15 @@ def as_klm(value):
             f"{value!r} of type {type(value).__name__}.{hint}"
         )
     if isinstance(value, keras_distribution.ModelParallel):
-        key = ("mp", _rules_key(value._layout_map))
+        view = _KerasModelParallel
     elif isinstance(value, keras_distribution.DataParallel):
-        key = ("dp",)
+        view = _KerasDataParallel
     else:
         return value  # a distribution of the user's own: as it is
-    cached = value.__dict__.get("_klm_as")
-    if cached is not None and cached[0] == key:
-        return cached[1]  # the same one each time: models remember it
-    if key[0] == "mp":
-        converted = ModelParallel(
-            layout_map=RuleMap.from_keras(value._layout_map, value.device_mesh),
-            batch_dim_name=value.batch_dim_name,
-            auto_shard_dataset=value.auto_shard_dataset,
-        )
-    else:
-        converted = DataParallel(
-            device_mesh=value.device_mesh,
-            batch_dim_name=value.batch_dim_name,
-            auto_shard_dataset=value.auto_shard_dataset,
-        )
-    value.__dict__["_klm_as"] = (key, converted)
+    converted = value.__dict__.get("_klm_as")
+    if converted is None:
+        converted = view(value)
+        value.__dict__["_klm_as"] = converted
     return converted
 
 

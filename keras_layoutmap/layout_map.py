@@ -155,7 +155,7 @@ def layout_map_scope(layout_map):
 
 def as_layout_map(value, what):
     """`value` as a `klm.LayoutMap`: itself, or the rules of a
-    `keras.distribution.LayoutMap` (Keras' meaning kept); anything else is
+    `keras.distribution.LayoutMap` (matching anywhere); anything else is
     a `TypeError` that begins with `what` ("f expects") and names the
     value received."""
     if isinstance(value, keras_distribution.LayoutMap) and not isinstance(

@@ -323,6 +323,21 @@ def as_mesh(mesh):
     )
 
 
+def live_mesh(mesh):
+    """`as_mesh(mesh)`, made once per Keras `DeviceMesh` (the same `Mesh`
+    each time, so layouts made from it compare as the same mesh) and made
+    again if the Keras mesh's shape, axis names or devices change."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    key = (tuple(mesh.shape), tuple(mesh.axis_names),
+           tuple(str(d) for d in np.ravel(mesh.devices)))
+    cached = mesh.__dict__.get("_klm_mesh")
+    if cached is None or cached[0] != key:
+        cached = (key, as_mesh(mesh))
+        mesh.__dict__["_klm_mesh"] = cached
+    return cached[1]
+
+
 def _dims(mesh_dims):
     """`(names, sizes)` of `[(axis_name, size), ...]`, checked."""
     try:

@@ -29,6 +29,46 @@ def test_a_keras_distribution_converts_once():
     assert keras.distribution.distribution() is None
 
 
+def test_a_keras_distribution_changed_after_first_use_is_read_live(
+        no_distribution):
+    """klm's view of a Keras distribution reads the Keras object each time
+    (the matrix's keras-settings-after-use row trains with it): a setting,
+    a rule added and one deleted after first use, seen at the next use by
+    the same view; a setting made on the view is made on the Keras object."""
+    mesh = keras.distribution.DeviceMesh(
+        (1, 1), ["batch", "model"], devices=klm.list_devices()[:1])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch")
+    with distribution.scope():
+        view = keras.distribution.distribution()
+        assert view.auto_shard_dataset is True
+        assert list(view.layout_map) == ["d1/kernel"]
+    distribution.auto_shard_dataset = False
+    layout_map["d2/kernel"] = ("model", None)
+    del layout_map["d1/kernel"]
+    keras.distribution.set_distribution(distribution)
+    assert keras.distribution.distribution() is view
+    assert view.auto_shard_dataset is False
+    assert list(view.layout_map) == ["d2/kernel"]
+    assert tuple(view.layout_map["d2/kernel"].axes) == ("model", None)
+    view.auto_shard_dataset = True
+    assert distribution.auto_shard_dataset is True
+    data = keras.distribution.DataParallel(device_mesh=keras.distribution.DeviceMesh(
+        (1,), ["batch"], devices=klm.list_devices()[:1]))
+    with data.scope():
+        data_view = keras.distribution.distribution()
+    data.auto_shard_dataset = False
+    assert data_view.auto_shard_dataset is False
+    assert type(data_view).__name__ == "DataParallel"  # as errors name it
+    # klm's own ModelParallel given a Keras map reads it live too.
+    klm_distribution = klm.ModelParallel(layout_map=layout_map)
+    layout_map["d3/kernel"] = (None, "model")
+    assert list(klm_distribution.layout_map) == ["d2/kernel", "d3/kernel"]
+    assert klm_distribution.layout_map is klm_distribution.layout_map
+
+
 @pytest.mark.parametrize("value", ["dp", 3, keras.distribution.LayoutMap])
 def test_set_distribution_of_something_else_is_a_type_error(value):
     with pytest.raises(TypeError, match="take a Keras distribution"):

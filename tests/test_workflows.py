@@ -215,6 +215,75 @@ def keras_model_parallel(distributed, folder):
     return train_evaluate_predict(model)
 
 
+def own_rows(x, batch):
+    """This process's rows of `x` when every global batch of `batch` rows
+    (in order, the last one short) is the processes' local batches side by
+    side: each process takes its contiguous share of each batch. The global
+    batches are then the one-device run's, whatever the process count."""
+    rank, count = klm.process_index(), klm.process_count()
+    starts = range(0, len(x), batch)
+    return np.concatenate([
+        x[s:min(s + batch, len(x))][rank * (n := min(batch, len(x) - s))
+                                    // count:(rank + 1) * n // count]
+        for s in starts])
+
+
+@row("keras-settings-after-use")
+def keras_settings_after_use(distributed, folder):
+    """Keras' objects changed after first use, as a user changes them. The
+    guide's `DataParallel` builds a model, then `auto_shard_dataset =
+    False` (Keras' own error for per-process numpy says to): it trains with
+    each process passing its own rows, equal to one device on the same
+    global batches. The guide's `ModelParallel` builds a model, then a rule
+    is deleted from its `LayoutMap`, another added and `auto_shard_dataset`
+    cleared: a second model built in its scope follows the changed map and
+    evaluates each process's own rows as one device."""
+    x, y = digits_data(DIGITS_ROWS)
+    if not distributed:
+        model = mlp()
+        untrained = mlp().evaluate(x, y, batch_size=64, verbose=0)
+        history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                            verbose=0).history
+        return {"loss": history["loss"], "accuracy": history["accuracy"],
+                "evaluate": model.evaluate(x, y, batch_size=64, verbose=0),
+                "untrained": untrained,
+                **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
+    batch = 64 // klm.process_count()
+    mine = (own_rows(x, 64), own_rows(y, 64))
+    data_parallel = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices())
+    with data_parallel.scope():
+        model = mlp()
+    data_parallel.auto_shard_dataset = False  # after first use
+    with data_parallel.scope():
+        assert keras.distribution.distribution().auto_shard_dataset is False
+        history = model.fit(*mine, batch_size=batch, epochs=2,
+                            shuffle=False, verbose=0).history
+        evaluated = model.evaluate(*mine, batch_size=batch, verbose=0)
+    model_parallel = keras_model_parallel_plan()
+    layout_map = model_parallel._layout_map
+    with model_parallel.scope():
+        first = mlp()
+    del layout_map["d1/bias"]  # the map changed after first use
+    layout_map["d2/bias"] = ("model",)
+    model_parallel.auto_shard_dataset = False
+    with model_parallel.scope():
+        second = mlp()
+        untrained = second.evaluate(*mine, batch_size=batch, verbose=0)
+
+    def specs(m, layer, name):
+        return tuple(klm.fetch_layout(getattr(m.get_layer(layer), name)).axes)
+
+    assert specs(first, "d1", "bias") == ("model",)  # placed before
+    assert specs(first, "d2", "bias") == (None,)
+    assert specs(second, "d1", "bias") == (None,)  # the rule deleted
+    assert specs(second, "d2", "bias") == ("model",)  # the rule added
+    assert specs(second, "d1", "kernel") == (None, "model")
+    return {"loss": history["loss"], "accuracy": history["accuracy"],
+            "evaluate": evaluated, "untrained": untrained,
+            **{f"w{i}": w for i, w in enumerate(numpy_weights(model))}}
+
+
 # -- klm rules ------------------------------------------------------------------
 
 
@@ -918,6 +987,7 @@ def float8_tolerance(key):
 
 # (rtol, atol), or a function of the key giving them; else (1e-4, 1e-5).
 TOLERANCE = {"keras-data-parallel": (1e-5, 2e-6),
+             "keras-settings-after-use": (1e-5, 2e-6),
              "keras-model-parallel": (1e-5, 2e-6),
              "klm-strict-two-models": (1e-5, 2e-6),
              "auto-plan": (1e-5, 2e-6),

@@ -86,6 +86,17 @@ WORKFLOWS = (
              "then `fit`, `evaluate`, `predict` and the `*_on_batch` "
              "methods (the MLP with `Dropout`); the kernel's layout read "
              "back from the backend."),
+    Workflow("keras-settings-after-use",
+             "Keras' objects changed after first use: the guide's "
+             "`DataParallel` builds the MLP, then "
+             "`distribution.auto_shard_dataset = False` (Keras' own error "
+             "for per-process numpy prescribes it), and `fit` and "
+             "`evaluate` with each process passing its own rows equal one "
+             "device on the same global batches; the guide's "
+             "`ModelParallel` builds one, then a rule is deleted from its "
+             "`LayoutMap` and one added: a second model built in its scope "
+             "is placed by the changed map (read from the backend) and "
+             "evaluates each process's own rows as one device."),
     Workflow("klm-strict-two-models",
              "One strict `klm.LayoutMap` whose rules place two models built "
              "in its `scope()` (an encoder and a classifier), each then "

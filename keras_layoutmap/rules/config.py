@@ -17,7 +17,7 @@ import tomllib
 import yaml
 
 from keras_layoutmap.layout import is_spec_sequence
-from keras_layoutmap.mesh import Mesh, as_mesh
+from keras_layoutmap.mesh import Mesh, as_mesh, live_mesh
 
 DEFAULT_MAX_REPLICATED_BYTES = 1 << 20
 _KEYS = {"mesh", "rules", "strict", "max_replicated_bytes", "search",
@@ -102,7 +102,7 @@ def build_from_config(cls, config, mesh=None):
 def build_from_keras(cls, layout_map, mesh=None):
     """A `cls` with the rules of a `keras.distribution.LayoutMap` (or of
     another map), in order, fallbacks kept. Rules from Keras' own class
-    keep Keras' meaning: a rule matches anywhere in a path (`re.search`)."""
+    match anywhere in a path (`re.search`; docs/keras-distribution.md)."""
     mesh = as_mesh(mesh or layout_map.device_mesh)
     result = cls(mesh)
     result.search = getattr(layout_map, "search", True)
@@ -116,6 +116,28 @@ def build_from_keras(cls, layout_map, mesh=None):
         if reason is not None:
             result.set_reason(key, reason)
     return result
+
+
+def synced_from_keras(cls, holder, keras_map, mesh=None):
+    """The `cls` (a `RuleMap`) that `holder` runs `keras_map` (a
+    `keras.distribution.LayoutMap`) as, on `mesh` (else the map's): the one
+    made before while the Keras map is unchanged, made again once a rule
+    is added or deleted, a layout changed or a mesh replaced; the Keras
+    map is the truth. Strict mode's record of the rules that placed a
+    weight is kept for the rules still there."""
+    mesh = live_mesh(mesh if mesh is not None else keras_map.device_mesh)
+    key = (id(keras_map), id(mesh), id(keras_map.device_mesh), tuple(
+        (k, tuple(v.axes), id(v.device_mesh))
+        for k, v in keras_map._layout_map.items()))
+    cached = holder.__dict__.get("_klm_rules")
+    if cached is None or cached[0] != key:
+        rules = build_from_keras(cls, keras_map, mesh)
+        if cached is not None:
+            rules._placed_rules = {r for r in cached[1]._placed_rules
+                                   if r in rules._layout_map}
+        cached = (key, rules)
+        holder.__dict__["_klm_rules"] = cached
+    return cached[1]
 
 
 _KINDS = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}

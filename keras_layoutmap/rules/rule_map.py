@@ -55,9 +55,9 @@ class RuleMap(keras_distribution.LayoutMap):
         self._alternatives = {}  # rule -> (Layout, ...): its layouts in order
         self._patterns = {}  # rule -> compiled regex
         self._reasons = {}  # rule -> why it has its layout (auto plans)
-        # False: a rule fullmatches a key (TF-Keras 2). True: it matches
-        # anywhere in it, `re.search`, as `keras.distribution.LayoutMap`
-        # does; maps made from Keras' (`from_keras`) keep Keras' meaning.
+        # False: a rule fullmatches a key. True: it matches anywhere in
+        # it, `re.search`: maps made from a `keras.distribution.LayoutMap`
+        # (`from_keras`; docs/keras-distribution.md says why).
         self.search = False
         self._matcher = None
         self._version = 0  # bumped on every change: strict checks re-run
