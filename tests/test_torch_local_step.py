@@ -113,6 +113,51 @@ def test_fit_runs_keras_step_locally_and_matches_one_process(
                                    err_msg=name)
 
 
+def own_rows(x, batch):
+    """This process's contiguous share of each global batch of `batch`."""
+    rank, count = klm.process_index(), klm.process_count()
+    return np.concatenate([
+        x[s:s + batch][rank * len(x[s:s + batch]) // count:
+                       (rank + 1) * len(x[s:s + batch]) // count]
+        for s in range(0, len(x), batch)])
+
+
+@pytest.mark.parametrize("axes", ["batch", "batch x model"])
+def test_each_process_passing_its_own_rows_runs_locally_without_a_gather(
+        digits, axes, monkeypatch):
+    """`auto_shard_dataset=False`, each process passing its share of each
+    global batch: on a batch axis over the processes in rank order the rows
+    are already where the data layout puts them, so every step after the
+    first of a batch shape runs locally, no rows gathered (one all-gather
+    of the row counts a step); on a (batch, model) mesh a batch shard spans
+    two processes, so the rows are gathered and the step runs on DTensors.
+    Either way equal to one process on the global batches."""
+    from keras_layoutmap.backends.torch import processes
+
+    x, y, _ = digits
+    reference = digits_net()
+    ref_history = fit(reference, digits)
+    mesh = dp_mesh() if axes == "batch" else mp_mesh()
+    with klm.DataParallel(mesh, auto_shard_dataset=False).scope():
+        model = digits_net()
+    gathered = []
+    gather = processes.all_gather_rows
+    monkeypatch.setattr(processes, "all_gather_rows",
+                        lambda local: gathered.append(1) or gather(local))
+    share = BATCH // klm.process_count()
+    history = model.fit(own_rows(x, BATCH), own_rows(y, BATCH),
+                        batch_size=share, epochs=EPOCHS, shuffle=False,
+                        verbose=0).history
+    assert_same_history(history, ref_history)
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    if axes == "batch":
+        assert local_steps(model) == STEPS - FIRST_STEPS
+        assert len(gathered) == 2 * FIRST_STEPS  # x and y, a shape's first
+    else:
+        assert local_steps(model) == 0
+        assert len(gathered) == 2 * STEPS
+
+
 def test_a_batch_the_axis_does_not_divide_runs_whole_on_every_process(digits):
     """66 rows over 4 processes: whole on each (DataParallel's data layout),
     so each process's step is the global one, with nothing to sum."""

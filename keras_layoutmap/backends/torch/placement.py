@@ -98,10 +98,12 @@ def _placed(layout):
     return layout is not None and layout.mesh.size > 1
 
 
-def local_slices(shape, device_mesh, places):
-    """This process's slice of a tensor of `shape` under `places`."""
+def local_slices(shape, device_mesh, places, coordinate=None):
+    """This process's slice of a tensor of `shape` under `places` (or the
+    slice of the device at `coordinate` of `device_mesh`)."""
     index = [slice(None)] * len(shape)
-    coordinate = device_mesh.get_coordinate()
+    if coordinate is None:
+        coordinate = device_mesh.get_coordinate()
     if coordinate is None:
         raise RuntimeError(
             f"This process (rank {processes.rank()}) is not a device of the "

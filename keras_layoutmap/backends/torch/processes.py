@@ -203,6 +203,18 @@ def all_gather_rows(local):
     return torch.cat([p[:n] for p, n in zip(pieces, counts)], dim=0).to(home)
 
 
+def all_gather_ints(values):
+    """Every process's `values` (a tuple of ints, as many on each), in
+    rank order: one small all-gather."""
+    if not is_joined() or dist.get_world_size() == 1:
+        return [tuple(values)]
+    local = torch.tensor(list(values), dtype=torch.int64,
+                         device=devices.current()[2])
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [tuple(int(v) for v in g.tolist()) for g in gathered]
+
+
 def check_same_everywhere(value):
     """Raise `same_value.ValueDiffersAcrossProcesses` on every process
     where `value`, a host tensor every process places on a mesh over all

@@ -135,7 +135,7 @@ def batch_pieces(data, dist):
     first (`auto_shard_dataset=False` across processes)."""
     if processes.process_count() > 1 and not getattr(
             dist, "auto_shard_dataset", True):
-        return None
+        return own_rows_pieces(data, dist)
 
     def piece(x):
         if x is None:
@@ -152,6 +152,63 @@ def batch_pieces(data, dist):
             isinstance(x, (tuple, list, dict)) for x in data):
         return tuple(piece(x) for x in data)  # as tree.map_structure, faster
     return tree.map_structure(piece, data)
+
+
+def own_rows_pieces(data, dist):
+    """A batch each process passed its own rows of (`auto_shard_dataset=
+    False`) as `local_step.Piece`s, none gathered, when its rows are
+    already where the data layout puts them: the processes' rows side by
+    side in rank order are the global batch, and each process's devices
+    hold exactly its own rows (a batch axis over the processes, in rank
+    order, that splits the batch as the processes did). One all-gather of
+    the row counts decides, alike on every process; None where the rows
+    must be gathered first (a model axis across processes, uneven shares,
+    a DTensor input, a short last batch the batch axis does not divide)."""
+    leaves = [x for x in tree.flatten(data) if x is not None]
+    rows = int(leaves[0].shape[0]) if leaves and len(leaves[0].shape) else -1
+    if any(isinstance(x, DTensor) or not len(x.shape)
+           or int(x.shape[0]) != rows for x in leaves):
+        rows = -1
+    counts = tuple(c for (c,) in processes.all_gather_ints((rows,)))
+    if min(counts) < 0:
+        return None
+    placed = {}
+
+    def piece(x):
+        if x is None:
+            return x
+        x = convert_to_tensor(x)
+        shape = (sum(counts), *x.shape[1:])
+        device_mesh, places, _ = _data_placement(dist, shape)
+        if not _rows_are_own(shape, device_mesh, places, counts):
+            placed["gather"] = True
+            return None
+        return local_step.Piece(x, shape, x.dtype, places, device_mesh)
+
+    pieces = tree.map_structure(piece, data)
+    return None if placed else pieces
+
+
+_OWN_ROWS = {}  # (shape, placements, mesh id, counts) -> bool
+
+
+def _rows_are_own(shape, device_mesh, places, counts):
+    """Whether, under `places`, the device of each rank r holds rows
+    `sum(counts[:r])` to `sum(counts[:r + 1])` of a batch of `shape`, every
+    other dimension whole: the same answer on every process."""
+    key = (shape, tuple(places), id(device_mesh), counts)
+    if key not in _OWN_ROWS:
+        offsets = [sum(counts[:r]) for r in range(len(counts))]
+        ranks = device_mesh.mesh
+        own = ranks.numel() == len(counts)
+        for r in range(len(counts)) if own else ():
+            coordinate = [int(i) for i in (ranks == r).nonzero()[0]]
+            got = local_slices(shape, device_mesh, places, coordinate)
+            want = (slice(offsets[r], offsets[r] + counts[r]),
+                    *(slice(0, n) for n in shape[1:]))
+            own = own and got == want
+        _OWN_ROWS[key] = own
+    return _OWN_ROWS[key]
 
 
 def _host_outputs(outputs):
