@@ -180,7 +180,7 @@ def own_rows_pieces(data, dist):
         x = convert_to_tensor(x)
         shape = (sum(counts), *x.shape[1:])
         device_mesh, places, _ = _data_placement(dist, shape)
-        if not _rows_are_own(shape, device_mesh, places, counts):
+        if not _rows_are_own(dist, shape, device_mesh, places, counts):
             placed["gather"] = True
             return None
         return local_step.Piece(x, shape, x.dtype, places, device_mesh)
@@ -189,15 +189,15 @@ def own_rows_pieces(data, dist):
     return None if placed else pieces
 
 
-_OWN_ROWS = {}  # (shape, placements, mesh id, counts) -> bool
-
-
-def _rows_are_own(shape, device_mesh, places, counts):
+def _rows_are_own(dist, shape, device_mesh, places, counts):
     """Whether, under `places`, the device of each rank r holds rows
     `sum(counts[:r])` to `sum(counts[:r + 1])` of a batch of `shape`, every
-    other dimension whole: the same answer on every process."""
-    key = (shape, tuple(places), id(device_mesh), counts)
-    if key not in _OWN_ROWS:
+    other dimension whole: the same answer on every process. Kept with the
+    distribution's data placements (which hold `device_mesh`, so its id
+    names it while the answer is kept)."""
+    found = _DATA_PLACEMENTS.setdefault(dist, {})
+    key = ("own rows", shape, tuple(places), id(device_mesh), counts)
+    if key not in found:
         offsets = [sum(counts[:r]) for r in range(len(counts))]
         ranks = device_mesh.mesh
         own = ranks.numel() == len(counts)
@@ -207,8 +207,8 @@ def _rows_are_own(shape, device_mesh, places, counts):
             want = (slice(offsets[r], offsets[r] + counts[r]),
                     *(slice(0, n) for n in shape[1:]))
             own = own and got == want
-        _OWN_ROWS[key] = own
-    return _OWN_ROWS[key]
+        found[key] = own
+    return found[key]
 
 
 def _host_outputs(outputs):
